@@ -1,0 +1,113 @@
+"""Engine configuration: frozen dataclasses, each checked once in ``__post_init__``.
+
+Names follow vLLM's engine arguments (``block_size``, ``max_num_seqs``,
+``max_num_batched_tokens``, ``max_model_len``, ``gpu_memory_utilization``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """Map a user dtype name to a torch dtype.
+
+    ``auto`` is float32 on CPU (exact and, without native bf16 matmul, not slower) and
+    bfloat16 on CUDA. Raises ``ValueError`` for an unknown name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when available, else ``cpu``. Raises ``ValueError`` otherwise."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+    return device
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache shape and size.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_gpu_blocks_override: fixed number of blocks (vLLM's name); when set, memory
+            sizing is skipped. Used by tests to force preemption with a tiny pool.
+        kv_cache_memory_bytes: bytes for the KV pool, when given explicitly.
+        gpu_memory_utilization: fraction of device memory the engine may use, or None
+            for the device's default policy.
+        enable_prefix_caching: reuse cached full blocks across requests.
+    """
+
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024]; got {self.block_size}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 1; got {self.num_gpu_blocks_override}"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1; got {self.kv_cache_memory_bytes}"
+            )
+        u = self.gpu_memory_utilization
+        if u is not None and not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {u}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits for one engine step.
+
+    Attributes:
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens (prefill + decode) in one step.
+        max_model_len: longest sequence (prompt + output) in tokens.
+        enable_chunked_prefill: split prompts longer than the step's remaining budget.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )

@@ -1,0 +1,184 @@
+"""Block tables per request on top of the block pool: allocate, grow, share, free.
+
+A request's block table maps logical block i (tokens ``[i*block_size, (i+1)*block_size)``)
+to a physical block id::
+
+    tokens        t0..t15 | t16..t31 | t32..t35
+    block table   [   7   ,    2     ,    9    ]     block_size = 16
+    slot of t33 = 9 * 16 + (33 % 16) = 145
+
+Running out of blocks is a return value (``allocate_slots`` returns None), not an error:
+the scheduler preempts and tries again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from pagedserve.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class KVCacheStats:
+    """Snapshot of the KV pool (``LLM.kv_cache_stats()``).
+
+    ``num_tokens`` counts tokens whose K/V are stored for live requests; the prefix-cache
+    counters are cumulative and in tokens, as vLLM counts them.
+    """
+
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    block_size: int
+    num_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0-1 (vLLM's ``kv_cache_usage_perc``)."""
+        return self.used_blocks / self.total_blocks
+
+
+class KVCacheManager:
+    """Owns every request's block table.
+
+    Args:
+        num_blocks: physical blocks in the pool.
+        block_size: tokens per block.
+        enable_caching: automatic prefix caching.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.req_num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- prefix cache -------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of ``request`` in full blocks, and its length in tokens.
+
+        The last token is never served from the cache: its logits are needed. Requests
+        that want prompt logprobs compute their whole prompt.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_tokens = len(blocks) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_tokens
+        return blocks, num_tokens
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Chained hashes of the request's full blocks, extended as it grows."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    # -- allocation ---------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] = (),
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``
+        (plus the prefix-cache hit ``new_computed_blocks``, for a request just admitted).
+
+        Returns the ids of newly taken blocks, or None when the pool cannot supply them
+        (nothing is changed then).
+        """
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        num_needed = cdiv(num_total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Cached hits with no owner sit in the free list: taking them shrinks it.
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_free_hits:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, min(num_total, request.num_tokens))
+        return [b.block_id for b in new_blocks]
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's blocks that are full once ``num_tokens`` are computed."""
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        start = self.req_num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request)
+        blocks = self.req_blocks[rid]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.req_num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks to the pool, tail first (shared prefixes live longest)."""
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, [])
+        self.pool.free_blocks(reversed(blocks))
+        self.req_num_cached_blocks.pop(rid, None)
+        if request.is_finished:
+            self.req_hashes.pop(rid, None)
+
+    # -- queries ------------------------------------------------------------------------
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table: physical block id of each logical block."""
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def stats(self, num_tokens: int) -> KVCacheStats:
+        free = self.pool.num_free_blocks
+        return KVCacheStats(
+            total_blocks=self.pool.num_blocks,
+            free_blocks=free,
+            used_blocks=self.pool.num_blocks - free,
+            cached_blocks=self.pool.num_cached_blocks,
+            block_size=self.block_size,
+            num_tokens=num_tokens,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )
+
+    def check_integrity(self) -> None:
+        """Pool invariants plus: each block's ref count equals the number of tables holding it."""
+        self.pool.check_integrity()
+        counts: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == counts.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
+                f"held by {counts.get(block.block_id, 0)} tables"
+            )

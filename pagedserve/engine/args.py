@@ -1,0 +1,71 @@
+"""Engine arguments: one dataclass shared by ``LLM(...)`` and the command line (vLLM's names)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineArgs:
+    """Everything that configures an engine. Field names are vLLM's engine arguments."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_logprobs: int = 20
+    attention_backend: str = "auto"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add the engine flags (``--block-size`` etc.) to ``parser``."""
+        d = EngineArgs()
+        parser.add_argument("--tokenizer", default=None,
+                            help="tokenizer path if not the model's own")
+        parser.add_argument("--dtype", default=d.dtype,
+                            choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                            help="compute and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+        parser.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+        parser.add_argument("--seed", type=int, default=d.seed,
+                            help="seed of the random generator for unseeded sampling")
+        parser.add_argument("--block-size", type=int, default=d.block_size,
+                            help="tokens per KV cache block")
+        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                            help="most sequences in one engine step")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                            help="most tokens (prefill + decode) in one engine step (default 2048)")
+        parser.add_argument("--max-model-len", type=int, default=None,
+                            help="longest sequence, prompt + output, in tokens (default: the model's)")
+        parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                            help="fraction of device memory the engine may use (weights, "
+                                 "activations and KV cache)")
+        parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                            help="bytes for the KV cache, overriding memory-based sizing")
+        parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                            help="fixed number of KV blocks (testing)")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                            default=d.enable_prefix_caching, help="automatic prefix caching")
+        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                            default=d.enable_chunked_prefill,
+                            help="split long prompts across steps")
+        parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                            help="most logprobs a request may ask for")
+        parser.add_argument("--attention-backend", default=d.attention_backend,
+                            help="auto, torch or reference")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

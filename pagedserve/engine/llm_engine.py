@@ -1,0 +1,216 @@
+"""The synchronous engine: ``step()`` = schedule -> execute_model -> update_from_output."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Iterable
+
+import torch
+
+from pagedserve.attention import get_attention_backend
+from pagedserve.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
+from pagedserve.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.engine.args import EngineArgs
+from pagedserve.engine.output_processor import OutputProcessor, ParentState
+from pagedserve.models.loader import iter_weights, load_config, resolve_model_path
+from pagedserve.models.registry import get_model_class
+from pagedserve.outputs import RequestMetrics, RequestOutput
+from pagedserve.request import Request, RequestStatus
+from pagedserve.sample.sampler import make_generator
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
+from pagedserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# A prompt: text, token ids, or vLLM's {"prompt_token_ids": [...]} / {"prompt": "..."}.
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    """Loads a model and serves requests one engine step at a time.
+
+    Raises ``ValueError`` (bad arguments, unsupported model) or ``FileNotFoundError``
+    (missing model path) at construction.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        torch.manual_seed(args.seed)
+        self.model_path = resolve_model_path(args.model)
+        self.hf_config = load_config(self.model_path)
+        self.tokenizer = None
+        if not args.skip_tokenizer_init:
+            from pagedserve.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(resolve_model_path(args.tokenizer) if args.tokenizer
+                                            else self.model_path)
+        self.eos_token_id = self._eos_token_id()
+        self.max_model_len = args.max_model_len or self.hf_config.max_position_embeddings
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens
+            or (2048 if args.enable_chunked_prefill else max(2048, self.max_model_len)),
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+        )
+        self.cache_config = CacheConfig(
+            block_size=args.block_size,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+        self.model = self._load_model()
+        self.num_blocks = num_kv_blocks(self.cache_config, self.hf_config, self.dtype,
+                                        self.max_model_len)
+        kv_caches = allocate_kv_caches(self.hf_config, self.num_blocks, args.block_size,
+                                       self.dtype, self.device)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, args.block_size,
+                                               args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.model_runner = ModelRunner(self.model, kv_caches, args.block_size, self.device,
+                                        self.hf_config.vocab_size, self.eos_token_id)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        logger.info(
+            "model %s on %s (%s): %d KV blocks of %d tokens = %d tokens (%.1f MiB)",
+            self.model_path, self.device, str(self.dtype).removeprefix("torch."), self.num_blocks,
+            args.block_size, self.num_blocks * args.block_size,
+            self.num_blocks * bytes_per_block(self.hf_config, args.block_size, self.dtype) / 2**20,
+        )
+
+    def _eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        return eos[0] if isinstance(eos, list) else eos
+
+    def _load_model(self) -> torch.nn.Module:
+        cls = get_model_class(self.hf_config)
+        backend = get_attention_backend(self.args.attention_backend, self.device)
+        max_positions = max(self.max_model_len, self.hf_config.max_position_embeddings)
+        with torch.device(self.device):
+            model = cls(self.hf_config, backend, max_positions).to(self.dtype)
+        model.load_weights(iter_weights(self.model_path, self.dtype))
+        return model.eval()
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ``ValueError`` for a bad prompt or parameters; nothing is
+        queued then."""
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        params = self._check_params(token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = replace(params, seed=params.seed + i)  # distinct, reproducible
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            generator = (make_generator(child_params.seed, self.device)
+                         if child_params.seed is not None else None)
+            children.append(Request(child_id, token_ids, child_params, self.eos_token_id,
+                                    arrival, generator))
+        parent = ParentState(request_id, text, token_ids, params, RequestMetrics(arrival))
+        self.output_processor.add_request(parent, children)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True given)")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("prompt must be a string, a list of token ids or a dict")
+        bad = [t for t in prompt if not 0 <= t < self.hf_config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token id {bad[0]} is out of the vocabulary [0, {self.hf_config.vocab_size})")
+        return None, prompt
+
+    def _check_params(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        if not token_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "so no token can be generated")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=room)
+        elif params.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.args.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({self.args.max_logprobs}), got {value}")
+        if params.min_tokens > params.max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens})")
+        return params
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests by id; their blocks are freed at once. Unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            parent = self.output_processor.parents.get(rid)
+            if parent is None:
+                continue
+            self.scheduler.finish_requests([s.request.request_id for s in parent.samples],
+                                           RequestStatus.FINISHED_ABORTED)
+            self.output_processor.remove(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    # -- one step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of requests that made progress."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        out = self.model_runner.execute_model(sched)
+        self.scheduler.update_from_output(sched, out.sampled)
+        outputs, stopped = self.output_processor.process(sched.requests, out)
+        if stopped:
+            self.scheduler.finish_requests([r.request_id for r in stopped],
+                                           RequestStatus.FINISHED_STOPPED)
+            # The stop changed their status after their outputs were made: remake them.
+            outputs = self._remake(outputs, stopped)
+        return outputs
+
+    def _remake(self, outputs: list[RequestOutput], stopped: list[Request]) -> list[RequestOutput]:
+        ids = {self.output_processor.sample_to_parent[r.request_id].request_id for r in stopped}
+        parents = {rid: self.output_processor.parents[rid] for rid in ids}
+        return [self.output_processor.make_output(parents[o.request_id])
+                if o.request_id in parents else o for o in outputs]
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        num_tokens = sum(r.num_computed_tokens for r in self.scheduler.running)
+        return self.kv_cache_manager.stats(num_tokens)
+

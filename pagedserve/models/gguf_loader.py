@@ -1,0 +1,261 @@
+"""GGUF files: header reading, config from metadata, dequantized weights with HF names.
+
+Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. The header (metadata and
+tensor infos) is parsed here with `struct` because `gguf.GGUFReader` builds a numpy view
+per token of the vocabulary (~3 s for SmolLM2); constants and dequantization come from
+the `gguf` package.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
+from gguf import GGUFValueType as VT
+from gguf.quants import dequantize, quant_shape_to_byte_shape
+from transformers import LlamaConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+_Q = GGMLQuantizationType
+SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
+
+_SCALAR = {VT.UINT8: "B", VT.INT8: "b", VT.UINT16: "H", VT.INT16: "h", VT.UINT32: "I",
+           VT.INT32: "i", VT.FLOAT32: "f", VT.BOOL: "?", VT.UINT64: "Q", VT.INT64: "q",
+           VT.FLOAT64: "d"}
+
+# GGUF tensor name (without "blk.N.") -> HF Llama module name (gguf.constants MODEL_TENSORS).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file. `shape` is in PyTorch order (rows first), i.e. the
+    reverse of GGUF's `ne` dims; `offset` is the absolute byte offset in the file."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        block_size, type_size = GGML_QUANT_SIZES[self.qtype]
+        return int(np.prod(self.shape)) * type_size // block_size
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """Metadata key/values (arrays as lists) and tensor infos of a GGUF file."""
+
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+
+
+class _Cursor:
+    def __init__(self, buf: bytes | memoryview):
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n:self.pos]).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == VT.STRING:
+            return self.string()
+        if vtype == VT.ARRAY:
+            item_type, count = self.unpack("I"), self.unpack("Q")
+            if item_type in _SCALAR:  # numeric arrays in one go
+                fmt = "<" + _SCALAR[item_type] * count
+                items = list(struct.unpack_from(fmt, self.buf, self.pos))
+                self.pos += struct.calcsize(fmt)
+                return items
+            return [self.value(item_type) for _ in range(count)]
+        return self.unpack(_SCALAR[VT(vtype)])
+
+
+def read_header(path: pathlib.Path) -> GGUFHeader:
+    """Parse the metadata and tensor infos of a GGUF v2/v3 little-endian file (~0.1 s).
+
+    Raises ValueError if the file is not GGUF, is big-endian or has an unsupported version.
+    """
+    with open(path, "rb") as f:
+        head = f.read(24)
+        if len(head) < 24 or struct.unpack_from("<I", head)[0] != GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file (bad magic)")
+        version = struct.unpack_from("<I", head, 4)[0]
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} (byte order or version not "
+                             "supported; expected little-endian v2 or v3)")
+        n_tensors, n_kv = struct.unpack_from("<QQ", head, 8)
+        f.seek(0)
+        buf, size = b"", 1 << 22
+        while True:  # the header is a few MB at most: grow the buffer until it parses
+            buf += f.read(size - len(buf))
+            try:
+                return _parse_header(buf, n_tensors, n_kv)
+            except struct.error:
+                if len(buf) < size:
+                    raise ValueError(f"{path}: truncated GGUF header") from None
+                size *= 4
+
+
+def _parse_header(buf: bytes, n_tensors: int, n_kv: int) -> GGUFHeader:
+    cur = _Cursor(memoryview(buf))
+    cur.pos = 24
+    metadata = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = [cur.unpack("Q") for _ in range(cur.unpack("I"))]
+        infos.append((name, tuple(reversed(dims)), cur.unpack("I"), cur.unpack("Q")))
+    align = int(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+    data_start = -(-cur.pos // align) * align
+    tensors = [TensorInfo(n, s, _Q(t), data_start + o) for n, s, t, o in infos]
+    return GGUFHeader(metadata, tensors)
+
+
+def check_tensor_type(name: str, qtype: GGMLQuantizationType | int) -> None:
+    """Raise ValueError naming the tensor if `qtype` is not in SUPPORTED_TYPES."""
+    if qtype not in SUPPORTED_TYPES:
+        try:
+            found = _Q(qtype).name
+        except ValueError:
+            found = f"unknown type {int(qtype)}"
+        supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+        raise ValueError(f"GGUF tensor {name!r} has type {found}, which is not supported "
+                         f"(supported: {supported})")
+
+
+def _architecture(header: GGUFHeader, path: pathlib.Path) -> str:
+    arch = header.metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    return arch
+
+
+def gguf_config(path: pathlib.Path, header: GGUFHeader | None = None) -> LlamaConfig:
+    """Build a transformers LlamaConfig from GGUF metadata (keys as written by llama.cpp's
+    convert_hf_to_gguf.py / gguf.constants.Keys). Raises ValueError for architectures
+    other than SUPPORTED_ARCHITECTURES."""
+    header = header or read_header(path)
+    arch = _architecture(header, path)
+    md = header.metadata
+
+    def get(key: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{key}", default)
+
+    hidden, n_head = get("embedding_length"), get("attention.head_count")
+    names = {t.name for t in header.tensors}
+    vocab = get("vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    rope.update(_rope_scaling(get))
+    if "rope_freqs.weight" in names:
+        logger.warning("%s: ignoring rope_freqs.weight (llama3-style rope factors are not "
+                       "reconstructed)", path)
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=n_head,
+        num_key_value_heads=get("attention.head_count_kv", n_head),
+        head_dim=get("attention.key_length") or get("rope.dimension_count") or hidden // n_head,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=get("context_length", 2048),
+        rope_parameters=rope,
+        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
+    )
+
+
+def _rope_scaling(get) -> dict[str, Any]:
+    kind = get("rope.scaling.type", "none")
+    factor = get("rope.scaling.factor") or get("rope.scale_linear")
+    if kind == "none" and factor and factor != 1.0:
+        kind = "linear"  # older files only carry rope.scale_linear
+    if kind in ("none", None):
+        return {}
+    out = {"rope_type": kind, "factor": float(factor or 1.0)}
+    if (orig := get("rope.scaling.original_context_length")) is not None:
+        out["original_max_position_embeddings"] = int(orig)
+    if (attn := get("rope.scaling.attn_factor")) is not None:
+        out["attention_factor"] = float(attn)
+    return out
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of `LlamaModel.permute` in llama.cpp's convert_hf_to_gguf.py.
+
+    llama.cpp stores each head's rows as interleaved (x0, x_d/2, x1, ...) pairs for its
+    rotary kernel; HF keeps halves. `w`: [n_head * head_dim, ...] (weight or bias); pass
+    n_head = num_attention_heads for attn_q and num_key_value_heads for attn_k.
+    """
+    return w.reshape(n_head, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """Map a GGUF tensor name to the HF Llama parameter name (None if it has none)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] in _TOP_NAMES and len(parts) == 2:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+    return None
+
+
+def iter_gguf_weights(path: pathlib.Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) for every weight, dequantized to float32 by gguf.quants then
+    cast to `dtype`, Q/K rows un-permuted. Shapes are HF's [out_features, in_features].
+
+    Raises ValueError for unsupported architectures, quantization types or tensor names.
+    """
+    header = read_header(path)
+    _architecture(header, path)
+    config = gguf_config(path, header)
+    for info in header.tensors:  # check everything before the slow part
+        check_tensor_type(info.name, info.qtype)
+        if hf_name(info.name) is None and info.name != "rope_freqs.weight":
+            raise ValueError(f"{path}: unknown GGUF tensor {info.name!r} for a llama model")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for info in header.tensors:
+        name = hf_name(info.name)
+        if name is None:
+            continue
+        raw = data[info.offset:info.offset + info.nbytes]
+        array = dequantize(raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)),
+                           info.qtype)
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        if ".attn_q." in info.name:
+            tensor = unpermute_qk(tensor, config.num_attention_heads)
+        elif ".attn_k." in info.name:
+            tensor = unpermute_qk(tensor, config.num_key_value_heads)
+        yield name, tensor.to(dtype).contiguous()

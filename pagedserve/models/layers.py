@@ -1,0 +1,107 @@
+"""Building blocks shared by the model files: RMSNorm, rotary embeddings, paged attention.
+
+Everything works on a flat batch: ``[num_tokens, ...]``, no padding, no batch dimension.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pagedserve.attention import AttentionBackend, AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, as Hugging Face's LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies ``[rotary_dim // 2]`` of RoPE (Su et al. 2021), with the
+    ``linear`` and ``llama3`` scalings of Hugging Face's ``modeling_rope_utils.py``.
+
+    Raises ``ValueError`` for another rope_type.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the "rotate half" (GPT-NeoX) layout used by HF Llama.
+
+    ``cos``/``sin`` caches are ``[max_positions, rotary_dim]`` float32; only the first
+    ``rotary_dim`` channels of each head rotate (partial rotary for GLM-style models).
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_positions: int, theta: float,
+                 scaling: dict | None) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.head_dim = head_dim
+        inv_freq = rope_inv_freq(rotary_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate ``q`` ``[T, H, D]`` and ``k`` ``[T, KVH, D]`` by their token positions ``[T]``."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim < self.head_dim:
+            rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+            return torch.cat([self._rotate(rot, cos, sin), rest], dim=-1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class PagedAttention(nn.Module):
+    """Writes this layer's new K/V into its cache blocks, then attends through the backend."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend: AttentionBackend, sliding_window: int | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.backend = backend
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q ``[T, H, D]``, k/v ``[T, KVH, D]`` -> ``[T, H * D]``."""
+        self.backend.write_kv(k, v, kv_cache, meta)
+        out = self.backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)
+        return out.reshape(q.shape[0], -1)

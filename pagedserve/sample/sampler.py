@@ -1,0 +1,295 @@
+"""Batched token sampler: one vectorized pass over the rows that sample this step.
+
+Follows vLLM v1's ``Sampler`` (``vllm/v1/sample/sampler.py``) in order and semantics:
+
+1. log-probabilities from the RAW logits (vLLM's default ``raw_logprobs`` mode);
+2. ``logit_bias`` (added), ``min_tokens`` (EOS and stop tokens -> -inf);
+3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens);
+4. greedy rows take the argmax; the others: / temperature, min_p, top_k, top_p, softmax,
+   then the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, which draws from
+   ``probs`` exactly. A row with a seeded generator draws its own ``q`` from it, so its
+   tokens do not depend on the other rows or on the batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.sampling_params import SAMPLING_EPS, SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``seed`` (one per seeded request)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
+    """[B, max_len] int64, right-padded with ``pad`` (at least one column)."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    return out.to(device)
+
+
+def _bin_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token counts [B, V] int64 of padded ids [B, L] (pad id = vocab_size is dropped)."""
+    counts = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.int64, device=tokens.device)
+    counts.scatter_add_(1, tokens, torch.ones_like(tokens))
+    return counts[:, :vocab_size]
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling state of one step; rows = sequences that sample this step (B).
+
+    Attributes:
+        temperature: [B] float32; greedy rows hold 1.0 (they take the argmax anyway).
+        top_p, min_p: [B] float32.
+        top_k: [B] int64, 0 = off (-1 normalised to 0, values above V clamped to V).
+        presence_penalty, frequency_penalty, repetition_penalty: [B] float32.
+        generators: per row, the request's seeded generator or None (None for greedy
+            rows: they draw no noise, so their generator does not advance).
+        greedy: [B] bool, rows that take the argmax.
+        prompt_token_ids: [B, Lp] int64 padded with V, or None when no row has a
+            repetition penalty. output_token_ids: [B, Lo] int64 padded with V, or None
+            when no row has a penalty.
+        min_tokens_rows, min_tokens_ids: int64 index pairs set to -inf (min_tokens).
+        bias_rows, bias_ids, bias_values: sparse logit_bias entries (int64, int64, float32).
+        max_num_logprobs: largest ``logprobs`` of the batch (at most V), or None if none.
+        all_greedy, all_random, no_penalties, no_top_k, no_top_p, no_min_p: skip flags.
+        vocab_size: V, the width of the logits this batch is for.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    repetition_penalty: torch.Tensor
+    generators: list[torch.Generator | None]
+    greedy: torch.Tensor
+    prompt_token_ids: torch.Tensor | None
+    output_token_ids: torch.Tensor | None
+    min_tokens_rows: torch.Tensor | None
+    min_tokens_ids: torch.Tensor | None
+    bias_rows: torch.Tensor | None
+    bias_ids: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    max_num_logprobs: int | None
+    all_greedy: bool
+    all_random: bool
+    no_penalties: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+    vocab_size: int
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+              output_token_ids: list[list[int]], generators: list[torch.Generator | None],
+              eos_token_id: int | None, vocab_size: int,
+              device: torch.device | str) -> SamplingBatch:
+        """Gather the rows' parameters into tensors on ``device``.
+
+        ``min_tokens`` masks ``stop_token_ids`` and, unless ``ignore_eos`` (then EOS is an
+        ordinary token, as in vLLM's ``all_stop_token_ids``), ``eos_token_id``.
+        Raises ``ValueError`` if the lists differ in length or a ``logit_bias`` /
+        ``stop_token_ids`` id is outside [0, vocab_size).
+        """
+        b = len(params)
+        if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == b:
+            raise ValueError("params, prompt_token_ids, output_token_ids and generators must "
+                             f"have the same length; got {b}, {len(prompt_token_ids)}, "
+                             f"{len(output_token_ids)}, {len(generators)}")
+
+        def f32(vals: list[float]) -> torch.Tensor:
+            return torch.tensor(vals, dtype=torch.float32, device=device)
+
+        greedy = [p.is_greedy for p in params]
+        top_k = [min(max(p.top_k, 0), vocab_size) for p in params]
+        rep = [p.repetition_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        no_rep = all(abs(r - 1.0) < SAMPLING_EPS for r in rep)
+        no_penalties = no_rep and all(abs(x) < SAMPLING_EPS for x in freq + pres)
+
+        mt_rows: list[int] = []
+        mt_ids: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_vals: list[float] = []
+        for i, p in enumerate(params):
+            if len(output_token_ids[i]) < p.min_tokens:
+                stops = set(p.stop_token_ids or [])
+                if eos_token_id is not None and not p.ignore_eos:
+                    stops.add(eos_token_id)
+                mt_rows += [i] * len(stops)
+                mt_ids += sorted(stops)
+            for tok, val in (p.logit_bias or {}).items():
+                bias_rows.append(i)
+                bias_ids.append(tok)
+                bias_vals.append(val)
+        for name, ids in (("stop_token_ids", mt_ids), ("logit_bias", bias_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab_size}); got {bad}")
+
+        def i64(vals: list[int]) -> torch.Tensor | None:
+            return torch.tensor(vals, dtype=torch.int64, device=device) if vals else None
+
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=f32([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
+            top_p=f32([p.top_p for p in params]),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            min_p=f32([p.min_p for p in params]),
+            presence_penalty=f32(pres),
+            frequency_penalty=f32(freq),
+            repetition_penalty=f32(rep),
+            generators=[None if g else gen for g, gen in zip(greedy, generators)],
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            prompt_token_ids=None if no_rep else _pad(prompt_token_ids, vocab_size, device),
+            output_token_ids=None if no_penalties else _pad(output_token_ids, vocab_size, device),
+            min_tokens_rows=i64(mt_rows),
+            min_tokens_ids=i64(mt_ids),
+            bias_rows=i64(bias_rows),
+            bias_ids=i64(bias_ids),
+            bias_values=f32(bias_vals) if bias_vals else None,
+            max_num_logprobs=min(max(logprobs), vocab_size) if logprobs else None,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            no_penalties=no_penalties,
+            no_top_k=all(k == 0 for g, k in zip(greedy, top_k) if not g),
+            no_top_p=all(p.top_p >= 1.0 for p in params if not p.is_greedy),
+            no_min_p=all(p.min_p <= 0.0 for p in params if not p.is_greedy),
+            vocab_size=vocab_size,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one sampling step.
+
+    Attributes:
+        sampled_token_ids: [B] int64.
+        sampled_logprobs: [B] float32, log-softmax of the RAW logits at the sampled token.
+        topk_token_ids: [B, K] int64, K = max requested ``logprobs`` (None if none asked).
+        topk_logprobs: [B, K] float32, raw log-softmax values of ``topk_token_ids``.
+        sampled_ranks: [B] int64, 1-based rank of the sampled token in the raw
+            distribution (ties count against it, as vLLM); None if no logprobs asked.
+    """
+
+    sampled_token_ids: torch.Tensor
+    sampled_logprobs: torch.Tensor
+    topk_token_ids: torch.Tensor | None
+    topk_logprobs: torch.Tensor | None
+    sampled_ranks: torch.Tensor | None
+
+
+class Sampler:
+    """Stateless batched sampler; see the module docstring for the order of operations."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [B, V] (any float dtype, cast to float32).
+
+        Raises ``ValueError`` if ``logits`` is not [len(batch), batch.vocab_size].
+        """
+        if logits.dim() != 2 or logits.shape != (len(batch.generators), batch.vocab_size):
+            raise ValueError(f"logits must be [{len(batch.generators)}, {batch.vocab_size}]; "
+                             f"got {list(logits.shape)}")
+        raw = logits.float()
+        lse = torch.logsumexp(raw, dim=-1)
+        topk_ids = topk_lp = None
+        if batch.max_num_logprobs:
+            top_vals, topk_ids = raw.topk(batch.max_num_logprobs, dim=-1)
+            topk_lp = top_vals - lse[:, None]
+        elif batch.max_num_logprobs == 0:
+            topk_ids = torch.empty(raw.shape[0], 0, dtype=torch.int64, device=raw.device)
+            topk_lp = torch.empty(raw.shape[0], 0, dtype=torch.float32, device=raw.device)
+
+        x = self.process_logits(raw, batch)
+        sampled = x.argmax(dim=-1) if batch.all_greedy else self._sample(x, batch)
+
+        sampled_raw = raw.gather(1, sampled[:, None])
+        ranks = None
+        if batch.max_num_logprobs is not None:
+            ranks = (raw >= sampled_raw).sum(dim=-1)
+        return SamplerOutput(sampled, sampled_raw[:, 0] - lse, topk_ids, topk_lp, ranks)
+
+    @staticmethod
+    def process_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logit_bias, min_tokens, penalties on float32 ``raw`` [B, V] -> [B, V].
+
+        Returns ``raw`` itself when nothing applies, else a new tensor (``raw`` untouched).
+        """
+        x = raw
+        if batch.bias_rows is not None or batch.min_tokens_rows is not None \
+                or not batch.no_penalties:
+            x = raw.clone()
+        if batch.bias_rows is not None:
+            x.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
+        if batch.min_tokens_rows is not None:
+            x[batch.min_tokens_rows, batch.min_tokens_ids] = float("-inf")
+        if batch.no_penalties:
+            return x
+        vocab = x.shape[1]
+        out_counts = _bin_counts(batch.output_token_ids, vocab)
+        out_mask = out_counts > 0
+        if batch.prompt_token_ids is not None:
+            seen = out_mask | (_bin_counts(batch.prompt_token_ids, vocab) > 0)
+            pen = torch.where(seen, batch.repetition_penalty[:, None], 1.0)
+            x = torch.where(x > 0, x / pen, x * pen)
+        x -= batch.frequency_penalty[:, None] * out_counts
+        x -= batch.presence_penalty[:, None] * out_mask
+        return x
+
+    @staticmethod
+    def _sample(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Temperature, min_p, top_k, top_p, then the exponential race; argmax for greedy."""
+        greedy_ids = None if batch.all_random else x.argmax(dim=-1)
+        x = x / batch.temperature[:, None]
+        if not batch.no_min_p:
+            probs = x.softmax(dim=-1)
+            threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+            x = x.masked_fill(probs < threshold, float("-inf"))
+        if not (batch.no_top_k and batch.no_top_p):
+            x = _top_k_top_p(x, None if batch.no_top_k else batch.top_k,
+                             None if batch.no_top_p else batch.top_p)
+        probs = x.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        seeded = [i for i, g in enumerate(batch.generators) if g is not None]
+        if len(seeded) < len(batch.generators):
+            q.exponential_()
+        for i in seeded:
+            q[i].exponential_(generator=batch.generators[i])
+        sampled = (probs / q).argmax(dim=-1)
+        if greedy_ids is not None:
+            sampled = torch.where(batch.greedy, greedy_ids, sampled)
+        return sampled
+
+
+def _top_k_top_p(x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's ``apply_top_k_top_p``: sort ascending, mask, scatter back.
+
+    top_k keeps every token tied with the k-th largest logit; k == 0 is off. top_p masks
+    the low tail whose cumulative probability is <= 1 - p, always keeping the top token.
+    """
+    x_sort, idx = x.sort(dim=-1, descending=False)
+    vocab = x.shape[1]
+    if k is not None:
+        k_eff = torch.where(k > 0, k, vocab)
+        kth = x_sort.gather(1, (vocab - k_eff)[:, None])
+        x_sort = x_sort.masked_fill(x_sort < kth, float("-inf"))
+    if p is not None:
+        cum = x_sort.softmax(dim=-1).cumsum(dim=-1)
+        mask = cum <= 1 - p[:, None]
+        mask[:, -1] = False
+        x_sort = x_sort.masked_fill(mask, float("-inf"))
+    return torch.empty_like(x).scatter_(1, idx, x_sort)

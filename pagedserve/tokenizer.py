@@ -1,0 +1,66 @@
+"""Tokenizer loading for HF model directories and GGUF files (with an on-disk cache)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+
+import transformers
+
+logger = logging.getLogger(__name__)
+
+
+def cache_dir() -> pathlib.Path:
+    """${PAGEDSERVE_CACHE_DIR:-${XDG_CACHE_HOME:-~/.cache}/pagedserve}."""
+    if root := os.environ.get("PAGEDSERVE_CACHE_DIR"):
+        return pathlib.Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(xdg) / "pagedserve"
+
+
+def _cache_key(path: pathlib.Path) -> str:
+    st = path.stat()
+    ident = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
+    return f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def load_tokenizer(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
+    """Load the tokenizer of a HF model directory, or the one embedded in a GGUF file.
+
+    A GGUF tokenizer is converted by transformers (`gguf_file=`, ~8 s) once, then saved with
+    its chat template (metadata key tokenizer.chat_template) under
+    cache_dir()/tokenizers/<file stem>-<hash of absolute path, size, mtime> and loaded from
+    there (~0.3 s). The cache entry is written to a temporary directory and renamed into
+    place, so concurrent loaders never see a partial one. Raises OSError/ValueError from
+    transformers if the files cannot be read.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return transformers.AutoTokenizer.from_pretrained(path)
+    cached = cache_dir() / "tokenizers" / _cache_key(path)
+    if (cached / "tokenizer_config.json").is_file():
+        return transformers.AutoTokenizer.from_pretrained(cached)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        _save_atomically(tokenizer, cached)
+    except OSError as err:  # the cache is best effort
+        logger.warning("could not cache the tokenizer in %s: %s", cached, err)
+    return tokenizer
+
+
+def _save_atomically(tokenizer: transformers.PreTrainedTokenizerBase, dest: pathlib.Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+    try:
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not dest.is_dir():  # else another process won the race: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

