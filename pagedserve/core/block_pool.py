@@ -14,8 +14,8 @@ Invariant (``check_integrity``): every block is either in the free list with
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 BlockHash = bytes
 

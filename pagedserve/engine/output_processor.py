@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 
 from pagedserve.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import (
-    CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs,
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
 )
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import fields
-from typing import Sequence
 
 from tqdm import tqdm
 

@@ -6,7 +6,7 @@ directly; q/k/v and gate/up projections are fused into one matmul each at load t
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

@@ -1,0 +1,75 @@
+"""Shared fixtures: the bundled model, its Hugging Face reference, and one float32 engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.models.loader import resolve_model_path
+
+CHAT_QUESTIONS = [
+    "hi",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "Explain in two sentences why the sky is blue.",
+    "Translate 'good morning' into Spanish and German.",
+    ("Give me a short recipe for pancakes, with the ingredients first and then the steps, "
+     "and keep it under one hundred words please."),
+    ("Summarize the plot of Romeo and Juliet for a ten year old. Mention the two families, "
+     "the secret marriage, the misunderstanding at the end, and what the story teaches."),
+    "What is 17 times 23?",
+]
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """transformers' own GGUF loading and dequantization: the independent reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One float32 engine on the bundled model, shared by the end-to-end tests."""
+    from pagedserve import LLM
+
+    return LLM(dtype="float32", kv_cache_memory_bytes=512 << 20)
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(llm):
+    """Token ids of the chat questions, built with the model's own chat template."""
+    tok = llm.get_tokenizer()
+    return [
+        list(tok.apply_chat_template([{"role": "user", "content": q}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=False))
+        for q in CHAT_QUESTIONS
+    ]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    """Greedy continuation by a plain argmax loop over the reference model's logits
+    (with its own KV cache); stops after eos unless eos_token_id is None."""
+    from transformers import DynamicCache
+
+    out: list[int] = []
+    cache = DynamicCache()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            if token == eos_token_id:
+                break
+            ids = torch.tensor([[token]])
+    return out
