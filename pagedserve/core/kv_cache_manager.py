@@ -64,6 +64,7 @@ class KVCacheManager:
         self.req_num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.pending_copies: list[tuple[int, int]] = []
 
     # -- prefix cache -------------------------------------------------------------------
 
@@ -108,19 +109,28 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``
         (plus the prefix-cache hit ``new_computed_blocks``, for a request just admitted).
 
-        Returns the ids of newly taken blocks, or None when the pool cannot supply them
-        (nothing is changed then).
+        A shared, partly filled block about to be written is copied first (copy-on-write;
+        the ``(src, dst)`` pair is queued in ``pending_copies``). Returns the ids of newly
+        taken blocks, or None when the pool cannot supply them (nothing changes then).
         """
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
         num_needed = cdiv(num_total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # The block receiving the first new token is written in place: it must be ours alone.
+        write_index = num_computed // self.block_size
+        cow = write_index < len(blocks) and blocks[write_index].ref_cnt > 1
         # Cached hits with no owner sit in the free list: taking them shrinks it.
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_free_hits:
+        if max(num_needed, 0) + cow > self.pool.num_free_blocks - num_free_hits:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return None
+        if cow:
+            shared = blocks[write_index]
+            (blocks[write_index],) = self.pool.get_new_blocks(1)
+            self.pool.free_blocks([shared])
+            self.pending_copies.append((shared.block_id, blocks[write_index].block_id))
         self.pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
@@ -128,6 +138,23 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, min(num_total, request.num_tokens))
         return [b.block_id for b in new_blocks]
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's block table, sharing every block (reference counts).
+
+        The blocks are copied only when one of them is written (``allocate_slots``), so
+        ``n`` samples of one prompt store the prompt's K/V once.
+        """
+        blocks = self.req_blocks[parent.request_id]
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = list(blocks)
+        self.req_num_cached_blocks[child.request_id] = self.req_num_cached_blocks.get(
+            parent.request_id, 0)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write ``(src_block, dst_block)`` pairs queued since the last call."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the request's blocks that are full once ``num_tokens`` are computed."""

@@ -31,6 +31,11 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Copy-on-write: copy block src to block dst (all layers) before the forward pass.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Samples 1..n-1 of a request: they sample from its logits when its prompt completes
+    # in this step, then fork its blocks.
+    forks: dict[str, list[Request]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -50,13 +55,20 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._arrival_seq = itertools.count()
         self._arrival: dict[str, int] = {}
+        # request id -> its sibling samples waiting for the end of its prompt to fork
+        self.pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
 
     # -- queue --------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        self._arrival[request.request_id] = next(self._arrival_seq)
-        self.requests[request.request_id] = request
+    def add_request(self, request: Request, forks: list[Request] = ()) -> None:
+        """Queue ``request``; ``forks`` are further samples of the same prompt that share
+        its prompt blocks: they join when its prompt has been computed."""
+        for r in (request, *forks):
+            self._arrival[r.request_id] = next(self._arrival_seq)
+            self.requests[r.request_id] = r
+        if forks:
+            self.pending_forks[request.request_id] = list(forks)
         self.waiting.append(request)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
@@ -68,12 +80,22 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif request in self.waiting:
                 self.waiting.remove(request)
+            else:
+                self._drop_pending_fork(request)
             request.status = status
             self._release(request)
             finished.append(request)
         return finished
+
+    def _drop_pending_fork(self, request: Request) -> None:
+        for parent_id, forks in self.pending_forks.items():
+            if request in forks:
+                forks.remove(request)
+                if not forks:
+                    del self.pending_forks[parent_id]
+                return
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)
@@ -118,9 +140,11 @@ class Scheduler:
             self.waiting
             and not out.preempted_request_ids
             and budget > 0
-            and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            num_seqs = 1 + len(self.pending_forks.get(request.request_id, ()))
+            if len(self.running) + num_seqs > self.config.max_num_seqs:
+                break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -141,6 +165,10 @@ class Scheduler:
             out.requests.append(request)
             out.num_scheduled_tokens.append(num_new)
             out.block_tables.append(self.kv.block_ids(request.request_id))
+            forks = self.pending_forks.get(request.request_id)
+            if forks and request.num_computed_tokens + num_new == request.num_tokens:
+                out.forks[request.request_id] = list(forks)
+        out.blocks_to_copy = self.kv.take_pending_copies()
         return out
 
     def _insert_running(self, request: Request) -> None:
@@ -171,9 +199,20 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prompt chunk that did not reach the end of the prompt
-            request.append_output_token(token)
-            if request.check_stop(self.config.max_model_len):
-                self.running.remove(request)
-                self._release(request)
-                finished.append(request)
+            forks = out.forks.get(request.request_id, [])
+            for child in forks:  # before the parent may finish and free its blocks
+                self._join_fork(request, child)
+            self.pending_forks.pop(request.request_id, None)
+            for r in (request, *forks):
+                r.append_output_token(sampled[r.request_id])
+                if r.check_stop(self.config.max_model_len):
+                    self.running.remove(r)
+                    self._release(r)
+                    finished.append(r)
         return finished
+
+    def _join_fork(self, parent: Request, child: Request) -> None:
+        self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self._insert_running(child)

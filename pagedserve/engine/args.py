@@ -27,6 +27,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     max_logprobs: int = 20
     attention_backend: str = "auto"
+    load_format: str = "auto"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,7 +64,11 @@ class EngineArgs:
         parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                             help="most logprobs a request may ask for")
         parser.add_argument("--attention-backend", default=d.attention_backend,
-                            help="auto, torch or reference")
+                            help="auto, torch, reference or triton (auto: triton on CUDA, "
+                                 "torch on CPU)")
+        parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
+                            help="auto: read the checkpoint; dummy: random weights of the "
+                                 "model's shapes (benchmarks)")
         return parser
 
     @classmethod

@@ -21,7 +21,16 @@ from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sample.sampler import make_generator
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
+from pagedserve.worker.kv_cache import (
+    MemoryProfile,
+    allocate_kv_caches,
+    bytes_per_block,
+    cpu_kv_budget,
+    cuda_kv_budget,
+    measure_cpu_peak,
+    measure_cuda_peak,
+    num_kv_blocks,
+)
 from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -67,22 +76,56 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching,
         )
         self.model = self._load_model()
-        self.num_blocks = num_kv_blocks(self.cache_config, self.hf_config, self.dtype,
-                                        self.max_model_len)
-        kv_caches = allocate_kv_caches(self.hf_config, self.num_blocks, args.block_size,
-                                       self.dtype, self.device)
+        self.model_runner = ModelRunner(self.model, args.block_size, self.device,
+                                        self.hf_config.vocab_size, self.eos_token_id)
+        self.memory_profile = self._profile_memory()
+        self.num_blocks = num_kv_blocks(
+            self.cache_config, self.memory_profile.bytes_per_block, self.memory_profile.kv_budget,
+            self.max_model_len, "give the KV cache more memory (--gpu-memory-utilization or "
+            "--kv-cache-memory-bytes) or lower --max-num-batched-tokens",
+        )
+        self.model_runner.kv_caches = allocate_kv_caches(
+            self.hf_config, self.num_blocks, args.block_size, self.dtype, self.device)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, args.block_size,
                                                args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
-        self.model_runner = ModelRunner(self.model, kv_caches, args.block_size, self.device,
-                                        self.hf_config.vocab_size, self.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
+        pool_tokens = self.num_blocks * args.block_size
         logger.info(
-            "model %s on %s (%s): %d KV blocks of %d tokens = %d tokens (%.1f MiB)",
+            "model %s on %s (%s); KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); "
+            "max concurrency at max_model_len %d: %.2fx",
             self.model_path, self.device, str(self.dtype).removeprefix("torch."), self.num_blocks,
-            args.block_size, self.num_blocks * args.block_size,
-            self.num_blocks * bytes_per_block(self.hf_config, args.block_size, self.dtype) / 2**20,
+            args.block_size, pool_tokens,
+            self.num_blocks * self.memory_profile.bytes_per_block / 2**20,
+            self.memory_profile.source, self.max_model_len, pool_tokens / self.max_model_len,
         )
+
+    def _profile_memory(self) -> MemoryProfile:
+        """Size the KV budget: weights + the activation peak of the largest step are
+        subtracted from what the engine may use (see ``worker/kv_cache.py``)."""
+        cache, sched = self.cache_config, self.scheduler_config
+        per_block = bytes_per_block(self.hf_config, cache.block_size, self.dtype)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if cache.num_gpu_blocks_override is not None or cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes or cache.num_gpu_blocks_override * per_block
+            source = "override" if cache.num_gpu_blocks_override else "kv_cache_memory_bytes"
+            return MemoryProfile(0, weights, 0, budget, per_block, source)
+        tokens = sched.max_num_batched_tokens
+        num_blocks = -(-tokens // cache.block_size) + -(-tokens // self.max_model_len)
+        scratch = allocate_kv_caches(self.hf_config, num_blocks, cache.block_size, self.dtype,
+                                     self.device)
+
+        def run() -> None:
+            self.model_runner.profile_run(tokens, sched.max_num_seqs, self.max_model_len, scratch)
+
+        if self.device.startswith("cuda"):
+            peak = measure_cuda_peak(run, self.device)
+            scratch.clear()  # free the scratch blocks before reading what the device has left
+            total, budget, source = cuda_kv_budget(cache, peak, self.device)
+        else:
+            peak = measure_cpu_peak(run)
+            total, budget, source = cpu_kv_budget(cache, weights, peak)
+        return MemoryProfile(total, weights, peak, budget, per_block, source)
 
     def _eos_token_id(self) -> int | None:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -96,7 +139,13 @@ class LLMEngine:
         max_positions = max(self.max_model_len, self.hf_config.max_position_embeddings)
         with torch.device(self.device):
             model = cls(self.hf_config, backend, max_positions).to(self.dtype)
-        model.load_weights(iter_weights(self.model_path, self.dtype))
+        if self.args.load_format == "dummy":  # vLLM's name: random weights, for benchmarks
+            for param in model.parameters():
+                param.data.uniform_(-1e-3, 1e-3)
+        elif self.args.load_format == "auto":
+            model.load_weights(iter_weights(self.model_path, self.dtype))
+        else:
+            raise ValueError(f"load_format must be auto or dummy; got {self.args.load_format!r}")
         return model.eval()
 
     # -- requests -----------------------------------------------------------------------
@@ -122,8 +171,7 @@ class LLMEngine:
                                     arrival, generator))
         parent = ParentState(request_id, text, token_ids, params, RequestMetrics(arrival))
         self.output_processor.add_request(parent, children)
-        for child in children:
-            self.scheduler.add_request(child)
+        self.scheduler.add_request(children[0], forks=children[1:])
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

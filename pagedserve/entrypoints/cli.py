@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
 from pagedserve.engine.args import EngineArgs
+
+# `pagedserve bench NAME` -> module with add_cli_args(parser) and main(args) -> exit code.
+BENCHMARKS = {
+    "memory": "pagedserve.benchmarks.memory",
+}
 
 
 def _add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(chat)
     EngineArgs.add_cli_args(chat)
+    bench = sub.add_parser("bench", help="benchmarks that print figures")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, module in BENCHMARKS.items():
+        mod = importlib.import_module(module)
+        p = bench_sub.add_parser(name, help=mod.__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        mod.add_cli_args(p)
+        p.set_defaults(bench_main=mod.main)
     return parser
 
 
@@ -110,7 +124,8 @@ def cmd_serve(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat}
+    commands = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat,
+                "bench": lambda a: a.bench_main(a)}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError) as e:

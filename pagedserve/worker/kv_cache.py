@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from dataclasses import dataclass
 
 import torch
 
@@ -34,47 +35,110 @@ def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
     return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def available_memory_bytes() -> int:
-    """``MemAvailable`` of /proc/meminfo, lowered to the cgroup limit where one is set."""
-    avail = None
+def _meminfo(field: str) -> int:
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    if avail is None:
-        raise RuntimeError("MemAvailable not found in /proc/meminfo")
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not found in /proc/meminfo")
+
+
+def _cgroup_limit() -> tuple[int, int] | None:
+    """``(limit, current usage)`` in bytes of this process's cgroup v2, if it sets a limit."""
     try:
         with open("/sys/fs/cgroup/memory.max") as f:
             limit = f.read().strip()
         with open("/sys/fs/cgroup/memory.current") as f:
             used = int(f.read())
-        if limit != "max":
-            avail = min(avail, int(limit) - used)
     except OSError:
-        pass
-    return avail
+        return None
+    return None if limit == "max" else (int(limit), used)
 
 
-def num_kv_blocks(cache: CacheConfig, config, dtype: torch.dtype, max_model_len: int) -> int:
-    """Blocks in the pool: the override, else ``kv_cache_memory_bytes``, else vLLM's CPU
-    default (4 GiB) capped at half the available memory.
+def total_memory_bytes() -> int:
+    """The machine's RAM (``MemTotal``), or the cgroup limit where one is lower."""
+    total = _meminfo("MemTotal")
+    cgroup = _cgroup_limit()
+    return min(total, cgroup[0]) if cgroup else total
 
-    Raises ``ValueError`` when the pool cannot hold one ``max_model_len`` sequence.
+
+def available_memory_bytes() -> int:
+    """``MemAvailable``, lowered to what the cgroup limit leaves where one is set."""
+    avail = _meminfo("MemAvailable")
+    cgroup = _cgroup_limit()
+    return min(avail, cgroup[0] - cgroup[1]) if cgroup else avail
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def measure_cpu_peak(fn) -> int:
+    """Bytes of resident memory that ``fn()`` adds at its peak above the current RSS.
+
+    Resets the kernel's high-water mark (``VmHWM``) by writing 5 to
+    ``/proc/self/clear_refs`` (Linux >= 4.0, proc(5)); where that is refused, the mark
+    from earlier in the process stands and the result can only be larger (safe).
     """
-    per_block = bytes_per_block(config, cache.block_size, dtype)
+    base = _status_bytes("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        logger.warning("cannot reset VmHWM; the activation peak may be overestimated")
+    fn()
+    return max(_status_bytes("VmHWM") - base, 0)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """How the KV pool was sized (bytes). ``kv_budget`` is what the pool may take."""
+
+    total: int
+    weights: int
+    peak_activation: int
+    kv_budget: int
+    bytes_per_block: int
+    source: str  # "override", "kv_cache_memory_bytes", "gpu_memory_utilization", "cpu_default"
+
+
+def cpu_kv_budget(cache: CacheConfig, weights: int, peak_activation: int) -> tuple[int, int, str]:
+    """``(total, kv_budget, source)`` on CPU.
+
+    With ``gpu_memory_utilization`` u the engine may use u x RAM (or the cgroup limit):
+    ``kv_budget = u * total - weights - peak_activation``. Without it, vLLM's CPU default
+    of a fixed 4 GiB (``VLLM_CPU_KVCACHE_SPACE``), capped by the memory still available
+    after the activation peak: the machine is shared.
+    """
+    total = total_memory_bytes()
+    if cache.gpu_memory_utilization is not None:
+        budget = int(cache.gpu_memory_utilization * total) - weights - peak_activation
+        return total, budget, "gpu_memory_utilization"
+    return total, min(DEFAULT_CPU_KV_BYTES, available_memory_bytes() - peak_activation), "cpu_default"
+
+
+def num_kv_blocks(cache: CacheConfig, per_block: int, budget: int, max_model_len: int,
+                  what_to_lower: str) -> int:
+    """``budget // per_block`` blocks, or the override.
+
+    Raises ``ValueError`` (naming ``what_to_lower``) when the pool cannot hold one
+    ``max_model_len`` sequence.
+    """
     if cache.num_gpu_blocks_override is not None:
         num_blocks = cache.num_gpu_blocks_override
     else:
-        budget = cache.kv_cache_memory_bytes
-        if budget is None:
-            budget = min(DEFAULT_CPU_KV_BYTES, available_memory_bytes() // 2)
-        num_blocks = budget // per_block
+        num_blocks = max(budget, 0) // per_block
     needed = -(-max_model_len // cache.block_size)
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache has room for {num_blocks} blocks ({num_blocks * cache.block_size} "
-            f"tokens) but one sequence of max_model_len={max_model_len} needs {needed} blocks; "
-            "lower max_model_len or give the KV cache more memory (kv_cache_memory_bytes)"
+            f"tokens; budget {budget / 2**20:.0f} MiB) but one sequence of "
+            f"max_model_len={max_model_len} needs {needed} blocks; lower max_model_len or "
+            f"{what_to_lower}"
         )
     return num_blocks
 
@@ -98,3 +162,47 @@ def allocate_kv_caches(config, num_blocks: int, block_size: int, dtype: torch.dt
         buf = mmap.mmap(-1, nbytes)  # the tensor keeps the buffer alive
         caches.append(torch.frombuffer(buf, dtype=dtype, count=numel).view(shape))
     return caches
+
+
+# -- CUDA sizing (only called when the engine runs on a CUDA device) -------------------------
+
+# vLLM's default --gpu-memory-utilization.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def measure_cuda_peak(fn, device) -> int:
+    """Bytes of device memory that ``fn()`` allocates at its peak above what PyTorch holds
+    before it (``torch.cuda.max_memory_allocated`` after a reset of the peak counter)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    torch.cuda.empty_cache()
+    return max(peak, 0)
+
+
+def cuda_kv_budget(cache: CacheConfig, peak_activation: int, device) -> tuple[int, int, str]:
+    """``(total, kv_budget, source)`` on a CUDA device, as vLLM sizes it.
+
+    The engine may use ``u * total`` of the device (``u`` = ``gpu_memory_utilization``,
+    default 0.9). What is in use now (``total - free`` from ``torch.cuda.mem_get_info``,
+    after returning PyTorch's cached blocks: weights, the CUDA context and libraries'
+    workspaces, other processes on the device) and the activation peak of the profiled
+    step are subtracted::
+
+        kv_budget = u * total - (total - free) - peak_activation
+
+    Call it after the profiling forward and once its scratch KV blocks are freed.
+    """
+    u = cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(u * total) - (total - free) - peak_activation
+    logger.info("CUDA memory: %.2f GiB total, %.2f GiB in use, activation peak %.2f GiB, "
+                "utilization %.2f -> KV budget %.2f GiB", total / 2**30, (total - free) / 2**30,
+                peak_activation / 2**30, u, budget / 2**30)
+    return total, budget, "gpu_memory_utilization"

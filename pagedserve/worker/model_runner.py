@@ -17,6 +17,7 @@ from pagedserve.attention import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.request import Request
 from pagedserve.sample.sampler import Sampler, SamplingBatch
+from pagedserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -41,10 +42,10 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: str,
-                 vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, model, block_size: int, device: str, vocab_size: int,
+                 eos_token_id: int | None) -> None:
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_caches: list[torch.Tensor] = []  # set once the pool is sized
         self.block_size = block_size
         self.device = device
         self.vocab_size = vocab_size
@@ -58,6 +59,7 @@ class ModelRunner:
         query_lens = [sched.num_scheduled_tokens[i] for i in order]
         tables = [sched.block_tables[i] for i in order]
         input_ids, positions, meta = self._prepare_inputs(requests, query_lens, tables)
+        self._copy_blocks(sched.blocks_to_copy)
 
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
@@ -71,9 +73,40 @@ class ModelRunner:
             if r.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs(r, query_lens[i], hidden[ends[i] - query_lens[i] : ends[i]], out)
         if sampling:
-            logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sampling]])
-            self._sample([requests[i] for i in sampling], logits, out)
+            # A request's forked samples draw from the same logits row as it does.
+            rows = [(i, r) for i in sampling for r in (requests[i], *sched.forks.get(requests[i].request_id, ()))]
+            logits = self.model.compute_logits(hidden[[ends[i] - 1 for i, _ in rows]])
+            self._sample([r for _, r in rows], logits, out)
         return out
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``src`` -> block ``dst`` in every layer's K and V."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int,
+                    kv_caches: list[torch.Tensor]) -> None:
+        """One forward over ``num_tokens`` dummy prompt tokens (as few sequences as
+        ``max_model_len`` allows) plus logits and a vocabulary sort for up to
+        ``max_num_seqs`` rows: the largest step the engine will run, so the caller can
+        measure its peak activation memory. ``kv_caches`` must hold
+        ``cdiv(num_tokens, block_size) + num_sequences`` blocks."""
+        lens = [min(max_model_len, num_tokens - i) for i in range(0, num_tokens, max_model_len)]
+        requests, tables, next_block = [], [], 0
+        for i, n in enumerate(lens):
+            requests.append(Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1), None))
+            num_blocks = -(-n // self.block_size)
+            tables.append(list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
+        input_ids, positions, meta = self._prepare_inputs(requests, lens, tables)
+        hidden = self.model(input_ids, positions, kv_caches, meta)
+        logits = self.model.compute_logits(hidden[: min(max_num_seqs, num_tokens)])
+        torch.sort(logits, dim=-1)
 
     def _prepare_inputs(self, requests: list[Request], query_lens: list[int],
                         tables: list[list[int]]):
