@@ -241,7 +241,7 @@ def test_cached_free_hits_count_against_the_free_pool():
     # 18 tokens = 5 blocks: 2 hits + 3 new, but taking the hits leaves only 2 free.
     b = make_request("b", PROMPT[:8] + list(range(900, 910)))
     hits, num_cached = kv.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == [0, 1]
+    assert [h.block_id for h in hits] == [0, 1] and num_cached == 8
     assert kv.allocate_slots(b, 10, hits) is None
     assert "b" not in kv.req_blocks
     assert free_ids(kv) == [3, 2, 1, 0] and refs(kv, [0, 1, 2, 3]) == [0, 0, 0, 0]

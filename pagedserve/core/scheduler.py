@@ -2,8 +2,9 @@
 
 The scheduler holds no tensors. Each step it walks the running requests first (their
 decode token, or the next chunk of a prompt) and then admits waiting requests, within
-``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences. When the pool has no
-block for a running request, the latest-arrived running request is preempted: its
+``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences (with
+``scheduling="static"``, only while the current batch is still forming). When the pool
+has no block for a running request, the latest-arrived running request is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later.
 """
 
@@ -58,12 +59,17 @@ class Scheduler:
         # request id -> its sibling samples waiting for the end of its prompt to fork
         self.pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        # Static scheduling: whether the current batch may still take new requests.
+        self._batch_open = True
 
     # -- queue --------------------------------------------------------------------------
 
     def add_request(self, request: Request, forks: list[Request] = ()) -> None:
         """Queue ``request``; ``forks`` are further samples of the same prompt that share
         its prompt blocks: they join when its prompt has been computed."""
+        if 1 + len(forks) > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={1 + len(forks)} samples exceed max_num_seqs={self.config.max_num_seqs}")
         for r in (request, *forks):
             self._arrival[r.request_id] = next(self._arrival_seq)
             self.requests[r.request_id] = r
@@ -86,8 +92,19 @@ class Scheduler:
                 self._drop_pending_fork(request)
             request.status = status
             self._release(request)
+            self._promote_forks(request)
             finished.append(request)
         return finished
+
+    def _promote_forks(self, parent: Request) -> None:
+        """A parent finished before its prompt completed: its first waiting fork takes its
+        place at the head of the queue (and inherits the other forks)."""
+        forks = self.pending_forks.pop(parent.request_id, [])
+        if forks:
+            heir, rest = forks[0], forks[1:]
+            if rest:
+                self.pending_forks[heir.request_id] = rest
+            self.waiting.appendleft(heir)
 
     def _drop_pending_fork(self, request: Request) -> None:
         for parent_id, forks in self.pending_forks.items():
@@ -135,15 +152,23 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
+        # Static scheduling (a baseline): a batch forms when nothing runs, taking requests
+        # over as many steps as its prompts need of the token budget; once admission stops
+        # for any other reason (max_num_seqs, blocks, empty queue) it is closed, and nobody
+        # joins until its last request has finished.
+        static = self.config.scheduling == "static"
+        if static and not self.running:
+            self._batch_open = True
         # New requests wait while running ones are being preempted for lack of blocks.
         while (
             self.waiting
             and not out.preempted_request_ids
             and budget > 0
+            and (self._batch_open or not static)
         ):
             request = self.waiting[0]
             num_seqs = 1 + len(self.pending_forks.get(request.request_id, ()))
-            if len(self.running) + num_seqs > self.config.max_num_seqs:
+            if self._num_seats_taken() + num_seqs > self.config.max_num_seqs:
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
@@ -160,6 +185,8 @@ class Scheduler:
             self._insert_running(request)
             scheduled.append((request, num_new))
             budget -= num_new
+        if static and self.running and budget > 0:
+            self._batch_open = False
 
         for request, num_new in scheduled:
             out.requests.append(request)
@@ -170,6 +197,12 @@ class Scheduler:
                 out.forks[request.request_id] = list(forks)
         out.blocks_to_copy = self.kv.take_pending_copies()
         return out
+
+    def _num_seats_taken(self) -> int:
+        """Running sequences plus the forks they will spawn when their prompt completes."""
+        pending = sum(len(forks) for rid, forks in self.pending_forks.items()
+                      if self.requests[rid].status == RequestStatus.RUNNING)
+        return len(self.running) + pending
 
     def _insert_running(self, request: Request) -> None:
         keys = [self._arrival[r.request_id] for r in self.running]

@@ -67,6 +67,7 @@ class LLMEngine:
             or (2048 if args.enable_chunked_prefill else max(2048, self.max_model_len)),
             max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            scheduling=args.scheduling,
         )
         self.cache_config = CacheConfig(
             block_size=args.block_size,
@@ -213,6 +214,9 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > self.args.max_logprobs:
                 raise ValueError(f"{name} must be <= max_logprobs ({self.args.max_logprobs}), got {value}")
+        if params.n > self.scheduler_config.max_num_seqs:
+            raise ValueError(
+                f"n must be <= max_num_seqs ({self.scheduler_config.max_num_seqs}), got {params.n}")
         if params.min_tokens > params.max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens})")
         return params
@@ -242,7 +246,12 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        out = self.model_runner.execute_model(sched)
+        try:
+            out = self.model_runner.execute_model(sched)
+        except Exception:
+            # Blocks published to the prefix cache in this step were never filled.
+            self.kv_cache_manager.pool.reset_prefix_cache()
+            raise
         self.scheduler.update_from_output(sched, out.sampled)
         outputs, stopped = self.output_processor.process(sched.requests, out)
         if stopped:
