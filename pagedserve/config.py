@@ -90,14 +90,21 @@ class SchedulerConfig:
         max_num_batched_tokens: most tokens (prefill + decode) in one step.
         max_model_len: longest sequence (prompt + output) in tokens.
         enable_chunked_prefill: split prompts longer than the step's remaining budget.
+        scheduling: ``continuous`` (requests join and leave the batch at every step) or
+            ``static`` (a baseline: a batch forms, runs until its last request finishes,
+            and only then is the next batch admitted).
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    scheduling: str = "continuous"
 
     def __post_init__(self) -> None:
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(
+                f"scheduling must be 'continuous' or 'static'; got {self.scheduling!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -28,6 +28,7 @@ class EngineArgs:
     max_logprobs: int = 20
     attention_backend: str = "auto"
     load_format: str = "auto"
+    scheduling: str = "continuous"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -69,6 +70,11 @@ class EngineArgs:
         parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
                             help="auto: read the checkpoint; dummy: random weights of the "
                                  "model's shapes (benchmarks)")
+        parser.add_argument("--scheduling", default=d.scheduling,
+                            choices=["continuous", "static"],
+                            help="continuous batching, or static batches (a baseline: a "
+                                 "batch runs until its last request finishes before the "
+                                 "next is admitted)")
         return parser
 
     @classmethod

@@ -12,6 +12,9 @@ from pagedserve.engine.args import EngineArgs
 # `pagedserve bench NAME` -> module with add_cli_args(parser) and main(args) -> exit code.
 BENCHMARKS = {
     "memory": "pagedserve.benchmarks.memory",
+    "throughput": "pagedserve.benchmarks.throughput",
+    "latency": "pagedserve.benchmarks.latency",
+    "serve": "pagedserve.benchmarks.serve",
 }
 
 

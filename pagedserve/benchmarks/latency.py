@@ -1,0 +1,92 @@
+"""``pagedserve bench latency``: end-to-end latency of one fixed batch, repeated.
+
+Each iteration adds ``--batch-size`` requests of ``--input-len`` random prompt tokens
+(fresh ones each iteration, so no prefix-cache hits) generating exactly ``--output-len``
+tokens (greedy, ``ignore_eos``), and steps the engine until all finish. After
+``--num-iters-warmup`` untimed iterations, ``--num-iters`` timed ones give the mean and
+the p10/p25/p50/p75/p90/p99 latency.
+
+Example::
+
+    pagedserve bench latency --batch-size 8 --input-len 32 --output-len 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from pagedserve.benchmarks.datasets import random_samples
+from pagedserve.engine.args import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.sampling_params import SamplingParams
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="model (default: bundled)")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests per iteration")
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--num-iters-warmup", type=int, default=3, help="untimed iterations")
+    parser.add_argument("--num-iters", type=int, default=10, help="timed iterations")
+    parser.add_argument("--output-json", default=None, help="write the figures here")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    EngineArgs.add_cli_args(parser)
+
+
+def run_once(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> float:
+    """Seconds from adding the batch to its last request finishing."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def summarize(latencies: list[float]) -> dict:
+    arr = np.asarray(latencies)
+    return {"avg_latency": float(arr.mean()), "latencies": [float(x) for x in arr],
+            "percentiles": {str(p): float(np.percentile(arr, p)) for p in PERCENTILES}}
+
+
+def print_report(r: dict) -> None:
+    print(f"Avg latency: {r['avg_latency']:.4f} seconds")
+    for p, v in r["percentiles"].items():
+        print(f"{p}% percentile latency: {v:.4f} seconds")
+
+
+def main(args: argparse.Namespace) -> int:
+    for name in ("batch_size", "input_len", "output_len", "num_iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be >= 1; got {getattr(args, name)}")
+    if args.num_iters_warmup < 0:
+        raise ValueError(f"num_iters_warmup must be >= 0; got {args.num_iters_warmup}")
+    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    if args.input_len + args.output_len > engine.max_model_len:
+        raise ValueError(f"input_len + output_len ({args.input_len + args.output_len}) exceeds "
+                         f"max_model_len ({engine.max_model_len})")
+    special = set(getattr(engine.tokenizer, "all_special_ids", ()) or ())
+    total = args.num_iters_warmup + args.num_iters
+    batches = [[s.prompt_token_ids for s in random_samples(
+        args.batch_size, args.input_len, args.output_len, 0.0, engine.hf_config.vocab_size,
+        args.seed + it, special)] for it in range(total)]
+    latencies = []
+    for it in tqdm(range(total), desc="Iterations", disable=args.disable_tqdm):
+        seconds = run_once(engine, batches[it], args.output_len, f"it{it}")
+        if it >= args.num_iters_warmup:
+            latencies.append(seconds)
+    result = summarize(latencies)
+    print_report(result)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "bench_main"},
+                       **result}, f, indent=2)
+    return 0
