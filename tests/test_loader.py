@@ -180,7 +180,7 @@ def _write_tiny_llama(path: pathlib.Path, extra: dict | None = None):
         w.add_tensor(gname, stored.astype(np.float16) if qtype == Q.F16 else stored)
 
     def quant(gname, hname, shape, qtype):
-        if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0):  # gguf-py cannot quantize these:
+        if qtype in (Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):  # gguf-py cannot quantize these:
             block, size = gguf.GGML_QUANT_SIZES[qtype]  # random bytes < 0x3c: finite f16 scales
             data = rng.integers(0, 0x3C, (shape[0], shape[1] // block * size), dtype=np.uint8)
         else:
@@ -243,7 +243,7 @@ def test_header_matches_gguf_reader(tmp_path):
 
 
 def test_unsupported_quant_type_in_file(tmp_path):
-    path = tmp_path / "q5_0.gguf"
-    _write_tiny_llama(path, extra={"blk.0.attn_q.bias": ((1, 256), Q.Q5_0)})
-    with pytest.raises(ValueError, match="'blk.0.attn_q.bias' has type Q5_0"):
+    path = tmp_path / "q2_k.gguf"
+    _write_tiny_llama(path, extra={"blk.0.attn_q.bias": ((1, 256), Q.Q2_K)})
+    with pytest.raises(ValueError, match="'blk.0.attn_q.bias' has type Q2_K"):
         next(loader.iter_weights(path, torch.float32))

@@ -65,8 +65,8 @@ class EngineArgs:
         parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                             help="most logprobs a request may ask for")
         parser.add_argument("--attention-backend", default=d.attention_backend,
-                            help="auto, torch, reference or triton (auto: triton on CUDA, "
-                                 "torch on CPU)")
+                            help="auto, cpu, torch, reference or triton (auto: triton on "
+                                 "CUDA, the C++ kernel 'cpu' on CPU when it builds, else torch)")
         parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
                             help="auto: read the checkpoint; dummy: random weights of the "
                                  "model's shapes (benchmarks)")

@@ -20,24 +20,37 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
 from gguf import GGUFValueType as VT
 from gguf.quants import dequantize, quant_shape_to_byte_shape
-from transformers import LlamaConfig
+from transformers import Gemma3TextConfig, LlamaConfig, PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# GGUF general.architecture -> the Hugging Face architecture we build a config for.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 _Q = GGMLQuantizationType
-SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
+SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q8_0, _Q.Q4_K,
+                   _Q.Q5_K, _Q.Q6_K)
 
 _SCALAR = {VT.UINT8: "B", VT.INT8: "b", VT.UINT16: "H", VT.INT16: "h", VT.UINT32: "I",
            VT.INT32: "i", VT.FLOAT32: "f", VT.BOOL: "?", VT.UINT64: "Q", VT.INT64: "q",
            VT.FLOAT64: "d"}
 
-# GGUF tensor name (without "blk.N.") -> HF Llama module name (gguf.constants MODEL_TENSORS).
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+# GGUF tensor name (without "blk.N.") -> HF module name, per architecture
+# (gguf.constants MODEL_TENSORS and llama.cpp's convert_hf_to_gguf.py).
+_COMMON_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAMES = {
+    "llama": {**_COMMON_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
+    "gemma3": {
+        **_COMMON_LAYER_NAMES,
+        "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -158,10 +171,10 @@ def _architecture(header: GGUFHeader, path: pathlib.Path) -> str:
     return arch
 
 
-def gguf_config(path: pathlib.Path, header: GGUFHeader | None = None) -> LlamaConfig:
-    """Build a transformers LlamaConfig from GGUF metadata (keys as written by llama.cpp's
-    convert_hf_to_gguf.py / gguf.constants.Keys). Raises ValueError for architectures
-    other than SUPPORTED_ARCHITECTURES."""
+def gguf_config(path: pathlib.Path, header: GGUFHeader | None = None) -> PretrainedConfig:
+    """Build a transformers config (LlamaConfig or Gemma3TextConfig) from GGUF metadata
+    (keys as written by llama.cpp's convert_hf_to_gguf.py / gguf.constants.Keys). Raises
+    ValueError for architectures other than SUPPORTED_ARCHITECTURES."""
     header = header or read_header(path)
     arch = _architecture(header, path)
     md = header.metadata
@@ -171,29 +184,48 @@ def gguf_config(path: pathlib.Path, header: GGUFHeader | None = None) -> LlamaCo
 
     hidden, n_head = get("embedding_length"), get("attention.head_count")
     names = {t.name for t in header.tensors}
-    vocab = get("vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
+    common = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "vocab_size": get("vocab_size") or len(md.get("tokenizer.ggml.tokens", ())),
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": get("attention.head_count_kv", n_head),
+        "head_dim": get("attention.key_length") or get("rope.dimension_count") or hidden // n_head,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": get("context_length", 2048),
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+    }
     rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
     rope.update(_rope_scaling(get))
+    if arch == "gemma3":
+        return _gemma3_config(get, common, rope)
     if "rope_freqs.weight" in names:
         logger.warning("%s: ignoring rope_freqs.weight (llama3-style rope factors are not "
                        "reconstructed)", path)
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
-        num_hidden_layers=get("block_count"),
-        num_attention_heads=n_head,
-        num_key_value_heads=get("attention.head_count_kv", n_head),
-        head_dim=get("attention.key_length") or get("rope.dimension_count") or hidden // n_head,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=get("context_length", 2048),
-        rope_parameters=rope,
-        attention_bias="blk.0.attn_q.bias" in names,
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
+    return LlamaConfig(rope_parameters=rope, **common)
+
+
+def _gemma3_config(get, common: dict[str, Any], rope: dict[str, Any]) -> Gemma3TextConfig:
+    """Gemma 3 as llama.cpp runs it: every 6th layer global, local layers with rope base
+    10000 and no scaling, softmax scale 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer
+    27B model)."""
+    scalar = common["head_dim"]
+    if common["num_hidden_layers"] == 62:
+        scalar = common["hidden_size"] // common["num_attention_heads"]
+    return Gemma3TextConfig(
+        sliding_window=get("attention.sliding_window"),
+        query_pre_attn_scalar=scalar,
+        final_logit_softcapping=get("final_logit_softcapping"),
+        attn_logit_softcapping=get("attn_logit_softcapping"),
+        rope_parameters={"full_attention": rope,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        **common,
     )
 
 
@@ -222,11 +254,12 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """Map a GGUF tensor name to the HF Llama parameter name (None if it has none)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Map a GGUF tensor name to the HF parameter name of `arch`'s model (None if it has none)."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    layer_names = _LAYER_NAMES[arch]
+    if parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if parts[0] in _TOP_NAMES and len(parts) == 2:
         return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
     return None
@@ -234,28 +267,32 @@ def hf_name(gguf_name: str) -> str | None:
 
 def iter_gguf_weights(path: pathlib.Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every weight, dequantized to float32 by gguf.quants then
-    cast to `dtype`, Q/K rows un-permuted. Shapes are HF's [out_features, in_features].
+    cast to `dtype`. Shapes are HF's [out_features, in_features]. Undone on the way:
+    llama's Q/K row permutation; gemma3's "+1" on norm weights (HF stores ``w``, llama.cpp
+    ``1 + w``).
 
     Raises ValueError for unsupported architectures, quantization types or tensor names.
     """
     header = read_header(path)
-    _architecture(header, path)
-    config = gguf_config(path, header)
+    arch = _architecture(header, path)
     for info in header.tensors:  # check everything before the slow part
         check_tensor_type(info.name, info.qtype)
-        if hf_name(info.name) is None and info.name != "rope_freqs.weight":
-            raise ValueError(f"{path}: unknown GGUF tensor {info.name!r} for a llama model")
+        if hf_name(info.name, arch) is None and info.name != "rope_freqs.weight":
+            raise ValueError(f"{path}: unknown GGUF tensor {info.name!r} for a {arch} model")
+    config = gguf_config(path, header)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for info in header.tensors:
-        name = hf_name(info.name)
+        name = hf_name(info.name, arch)
         if name is None:
             continue
         raw = data[info.offset:info.offset + info.nbytes]
         array = dequantize(raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)),
                            info.qtype)
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
-        if ".attn_q." in info.name:
+        if arch == "llama" and ".attn_q." in info.name:
             tensor = unpermute_qk(tensor, config.num_attention_heads)
-        elif ".attn_k." in info.name:
+        elif arch == "llama" and ".attn_k." in info.name:
             tensor = unpermute_qk(tensor, config.num_key_value_heads)
+        elif arch == "gemma3" and info.name.endswith("norm.weight"):
+            tensor = tensor - 1
         yield name, tensor.to(dtype).contiguous()

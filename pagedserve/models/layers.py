@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
@@ -26,6 +27,33 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm (HF ``modeling_gemma3.py`` ``Gemma3RMSNorm``): ``x * (1 + weight)``,
+    all in float32 and cast back at the end; the weight is stored as an offset from 1."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def activation(name: str):
+    """The MLP activation for a Hugging Face ``hidden_act`` name (``ValueError`` if unknown)."""
+    if name == "silu":
+        return F.silu
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"activation {name!r} is not supported; supported: silu, gelu, "
+                     "gelu_pytorch_tanh")
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -54,20 +82,27 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the "rotate half" (GPT-NeoX) layout used by HF Llama.
+    """Rotary position embedding: the "rotate half" (GPT-NeoX) layout of HF Llama, or with
+    ``interleaved`` the pairwise (GPT-J) layout of HF ``modeling_glm.py``.
 
     ``cos``/``sin`` caches are ``[max_positions, rotary_dim]`` float32; only the first
     ``rotary_dim`` channels of each head rotate (partial rotary for GLM-style models).
+    Neox pairs channel ``i`` with ``i + rotary_dim / 2``; interleaved pairs ``2i`` with
+    ``2i + 1``; pair ``i`` turns by ``position * inv_freq[i]`` in both.
     """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_positions: int, theta: float,
-                 scaling: dict | None) -> None:
+                 scaling: dict | None, interleaved: bool = False) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
         self.head_dim = head_dim
+        self.interleaved = interleaved
         inv_freq = rope_inv_freq(rotary_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
+        if interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)
+        else:
+            emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
@@ -80,9 +115,15 @@ class RotaryEmbedding(nn.Module):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim < self.head_dim:
             rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-            return torch.cat([self._rotate(rot, cos, sin), rest], dim=-1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+            return torch.cat([self._rotate_full(rot, cos, sin), rest], dim=-1)
+        return self._rotate_full(x, cos, sin)
+
+    def _rotate_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            rotated = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+        else:
+            half = x.shape[-1] // 2
+            rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
 

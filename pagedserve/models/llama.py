@@ -1,71 +1,161 @@
-"""The Llama architecture (Touvron et al. 2023) over a flat batch and the paged KV cache.
+"""The Llama architecture (Touvron et al. 2023) over a flat batch and the paged KV cache,
+and the configurable decoder the other families build on.
 
 Layout and weight names follow Hugging Face's ``modeling_llama.py`` so checkpoints load
 directly; q/k/v and gate/up projections are fused into one matmul each at load time.
+Mistral (``modeling_mistral.py``) is this class: its optional ``sliding_window`` applies to
+every layer. A family that differs overrides ``attention_options`` (biases, q/k norm,
+window, scale), ``make_rotary`` and ``make_layer``, and sets ``norm_cls``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
-from pagedserve.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
+from pagedserve.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, activation
 from pagedserve.models.loader import rope_scaling, rope_theta
 
 
+def head_dim_of(config) -> int:
+    """``config.head_dim``, else ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_sliding_window(config, layer_idx: int) -> int | None:
+    """The attention window of one layer, or None for full attention.
+
+    With ``config.layer_types`` (Qwen2/3, Gemma 3 in transformers 5) only
+    ``"sliding_attention"`` layers slide; without it (Mistral) ``config.sliding_window``,
+    when set, applies to every layer.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+        return None
+    return window
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What varies between families' attention blocks.
+
+    Attributes:
+        qkv_bias, o_bias: biases on the q/k/v and output projections.
+        qk_norm: a norm class (``cls(head_dim, eps)``) applied per head to q and k before
+            rotary (Qwen3, Gemma 3), or None.
+        sliding_window: see ``layer_sliding_window``.
+        scale: softmax scale; None means ``head_dim ** -0.5``.
+    """
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: type[nn.Module] | None = None
+    sliding_window: int | None = None
+    scale: float | None = None
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    """Self-attention over the paged cache: fused qkv projection, optional per-head q/k
+    norm, rotary, paged attention, output projection. ``[T, hidden] -> [T, hidden]``."""
+
+    def __init__(self, config, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 options: AttentionOptions = AttentionOptions()) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=options.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.q_norm = self.k_norm = None
+        if options.qk_norm is not None:
+            self.q_norm = options.qk_norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = options.qk_norm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.head_dim**-0.5, backend)
+        scale = options.scale if options.scale is not None else self.head_dim**-0.5
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale,
+                                   backend, options.sliding_window)
 
     def forward(self, positions, hidden, kv_cache, meta):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up fused."""
+    """Gated MLP ``down(act(gate(x)) * up(x))``, gate and up fused: SwiGLU with ``silu``,
+    GeGLU with ``gelu_pytorch_tanh`` (Gemma). ``[T, hidden] -> [T, hidden]``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu",
+                 bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = activation(act)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
+
+
+def make_mlp(config) -> LlamaMLP:
+    """The family's MLP from ``hidden_act`` (or Gemma's ``hidden_activation``) and ``mlp_bias``."""
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    return LlamaMLP(config.hidden_size, config.intermediate_size, act,
+                    bool(getattr(config, "mlp_bias", False)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, backend, rotary) -> None:
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+
+    def __init__(self, config, backend, rotary, options: AttentionOptions = AttentionOptions(),
+                 norm_cls: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, rotary)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend, rotary, options)
+        self.mlp = make_mlp(config)
+        self.input_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, kv_cache, meta):
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Block with norms on both sides of attention and MLP (Gemma 2/3, GLM-4-0414):
+    ``h += post_attn(attn(pre_attn(h))); h += post_mlp(mlp(pre_mlp(h)))``.
+
+    ``norm_names`` gives the Hugging Face names of (pre_attn, post_attn, pre_mlp, post_mlp),
+    which differ between families.
+    """
+
+    def __init__(self, config, backend, rotary, options: AttentionOptions,
+                 norm_cls: type[nn.Module], norm_names: tuple[str, str, str, str]) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, backend, rotary, options)
+        self.mlp = make_mlp(config)
+        self.norm_names = norm_names
+        for name in norm_names:
+            setattr(self, name, norm_cls(config.hidden_size, config.rms_norm_eps))
+
+    def forward(self, positions, hidden, kv_cache, meta):
+        pre_attn, post_attn, pre_mlp, post_mlp = (getattr(self, n) for n in self.norm_names)
+        hidden = hidden + post_attn(self.self_attn(positions, pre_attn(hidden), kv_cache, meta))
+        return hidden + post_mlp(self.mlp(pre_mlp(hidden)))
 
 
 # Hugging Face weight name fragment -> (our fused parameter, shard index).
@@ -80,29 +170,69 @@ def _num_shards(param_name: str) -> int:
     return 3 if "qkv_proj" in param_name else 2 if "gate_up_proj" in param_name else 1
 
 
+def _shard_key(param_name: str, index: int) -> str:
+    return f"{param_name}#{index}" if _num_shards(param_name) > 1 else param_name
+
+
 class LlamaForCausalLM(nn.Module):
-    """Llama decoder + LM head.
+    """Llama decoder + LM head (HF ``modeling_llama.py``; also ``modeling_mistral.py``).
 
     Args:
         config: a transformers ``LlamaConfig`` (or any config with the same fields).
         backend: the paged attention backend.
         max_positions: size of the rotary cache (>= max_model_len).
+
+    Subclasses customise through ``norm_cls``, ``attention_options``, ``make_rotary``,
+    ``make_layer``, ``embed_scale`` and ``final_logit_softcapping``.
     """
+
+    norm_cls: type[nn.Module] = RMSNorm
 
     def __init__(self, config, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(head_dim, head_dim, max_positions, rope_theta(config),
-                                 rope_scaling(config))
+        self.max_positions = max_positions
+        self.embed_scale: float | None = None
+        self.final_logit_softcapping: float | None = None
+        self._rotaries: dict[tuple, RotaryEmbedding] = {}
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, rotary) for _ in range(config.num_hidden_layers)
+            self.make_layer(i, backend) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # -- what families override ---------------------------------------------------------
+
+    def attention_options(self, layer_idx: int) -> AttentionOptions:
+        """Llama: ``attention_bias`` on q/k/v and o; window per ``layer_sliding_window``."""
+        bias = bool(getattr(self.config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias,
+                                sliding_window=layer_sliding_window(self.config, layer_idx))
+
+    def make_rotary(self, layer_idx: int) -> RotaryEmbedding:
+        """Full-width neox rotary with the config's theta and scaling, shared by all layers."""
+        head_dim = head_dim_of(self.config)
+        return self.shared_rotary(head_dim, head_dim, rope_theta(self.config),
+                                  rope_scaling(self.config))
+
+    def make_layer(self, layer_idx: int, backend: AttentionBackend) -> nn.Module:
+        """Decoder layer ``layer_idx``: ``forward(positions, hidden, kv_cache, meta)``."""
+        return LlamaDecoderLayer(self.config, backend, self.make_rotary(layer_idx),
+                                 self.attention_options(layer_idx), self.norm_cls)
+
+    # -----------------------------------------------------------------------------------
+
+    def shared_rotary(self, head_dim: int, rotary_dim: int, theta: float,
+                      scaling: dict | None, interleaved: bool = False) -> RotaryEmbedding:
+        """One ``RotaryEmbedding`` per distinct setting, shared by the layers that use it."""
+        key = (head_dim, rotary_dim, theta, repr(scaling), interleaved)
+        if key not in self._rotaries:
+            self._rotaries[key] = RotaryEmbedding(head_dim, rotary_dim, self.max_positions,
+                                                  theta, scaling, interleaved)
+        return self._rotaries[key]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -111,17 +241,26 @@ class LlamaForCausalLM(nn.Module):
         ``kv_caches[i]`` is layer i's cache ``[2, num_blocks, block_size, kv_heads, head_dim]``.
         """
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma: the scale is rounded to the weights' dtype
+            scale = torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
+            hidden = hidden * scale
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(positions, hidden, kv_cache, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``."""
+        """Hidden states ``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``
+        (soft-capped ``cap * tanh(logits / cap)`` where the model configures it)."""
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters.
+        """Copy Hugging Face-named tensors into the (fused) parameters. A checkpoint may
+        hold q/k/v or gate/up separately or already fused (GLM's ``gate_up_proj``).
 
         Raises ``ValueError`` for an unexpected name or shape, or for parameters left unset.
         """
@@ -136,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
             shard = None
             for hf_part, (ours, index) in _FUSED.items():
                 if f".{hf_part}." in name:
-                    name, shard = name.replace(hf_part, ours), index
+                    name, shard = name.replace(f".{hf_part}.", f".{ours}."), index
                     break
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
@@ -145,10 +284,9 @@ class LlamaForCausalLM(nn.Module):
             if target.shape != tensor.shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor)
-            loaded.add(name if shard is None else f"{name}#{shard}")
-        expected = {
-            f"{n}#{i}" if _num_shards(n) > 1 else n for n in params for i in range(_num_shards(n))
-        }
+            shards = range(_num_shards(name)) if shard is None else [shard]
+            loaded.update(_shard_key(name, i) for i in shards)
+        expected = {_shard_key(n, i) for n in params for i in range(_num_shards(n))}
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")

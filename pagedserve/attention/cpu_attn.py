@@ -1,0 +1,79 @@
+"""Paged attention on CPU through a C++ kernel (``csrc/paged_attention_cpu.cpp``).
+
+The kernel reads each sequence's K/V straight from its blocks, so a decode step costs
+no gathered copy of the context. It is compiled with ``torch.utils.cpp_extension`` on
+first use (about a minute on two cores; ``setup.sh`` does it once) and cached under
+torch's extensions folder, keyed by the source and this CPU's instruction-set flags
+(it is built with ``-march=native``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.torch_attn import write_kv_slots
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
+def load_extension():
+    """Compile (first time) and import the kernel. Raises RuntimeError/OSError if the
+    toolchain is missing."""
+    from torch.utils.cpp_extension import load
+
+    key = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+    return load(
+        name=f"pagedserve_cpu_attn_{key}",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def cpu_kernel_available() -> bool:
+    """True if the kernel builds and loads here (logs why not otherwise)."""
+    try:
+        load_extension()
+    except (RuntimeError, OSError, ImportError) as e:
+        logger.warning("CPU paged-attention kernel unavailable, using PyTorch: %s", e)
+        return False
+    return True
+
+
+class CpuAttention:
+    """The C++ kernel for every sequence, decode and prefill alike."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.ops = load_extension()
+
+    def write_kv(self, key, value, kv_cache, meta: AttentionMetadata) -> None:
+        write_kv_slots(key, value, kv_cache, meta.slot_mapping)
+
+    def forward(self, query, kv_cache, meta: AttentionMetadata, scale, sliding_window=None):
+        out = torch.empty_like(query)
+        self.ops.paged_attention(query.contiguous(), kv_cache, meta.block_tables, meta.seq_lens,
+                                 meta.query_start_loc, out, scale, sliding_window or 0)
+        return out

@@ -1,0 +1,127 @@
+// Paged attention for CPU: reads K/V straight from the cache blocks through the block
+// tables (no gathered copy of the context), one work item per (sequence, KV head, query
+// row), items spread over threads with at::parallel_for.
+//
+// Layouts (see pagedserve/attention/backend.py):
+//   query       [num_tokens, num_heads, head_dim]
+//   kv_cache    [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
+//   block_tables[num_seqs, max_blocks] int64, seq_lens [num_seqs] int64,
+//   query_start_loc [num_seqs + 1] int64
+//   out         [num_tokens, num_heads, head_dim]
+// Query row i of sequence s sits at position seq_len - q_len + i and sees keys at
+// positions p with p <= pos and (window == 0 or p > pos - window).
+//
+// Softmax is computed online over key tiles of one block (Milakov & Gimelshein 2018,
+// "Online normalizer calculation for softmax"): each tile's scores are computed, the
+// running max and sum are rescaled once per tile, then V is accumulated.
+// All arithmetic is float32 whatever the storage dtype.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+template <typename scalar_t>
+void attend_row(const scalar_t* q,  // [group, D] query heads sharing this KV head
+                const scalar_t* k_base, const scalar_t* v_base,
+                const int64_t* table, int64_t lo, int64_t hi,  // keys [lo, hi)
+                int64_t block_size, int64_t token_stride, int64_t group, int64_t D,
+                float scale, scalar_t* out, int64_t out_head_stride) {
+  std::vector<float> qf(group * D), acc(group * D, 0.f), m(group, -INFINITY), l(group, 0.f);
+  std::vector<float> scores(group * block_size);
+  for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(q[i]) * scale;
+
+  for (int64_t tile = lo - lo % block_size; tile < hi; tile += block_size) {
+    const int64_t block = table[tile / block_size];
+    const int64_t start = std::max(tile, lo), end = std::min(tile + block_size, hi);
+    const int64_t n = end - start;
+    const scalar_t* k_blk = k_base + block * block_size * token_stride;
+    const scalar_t* v_blk = v_base + block * block_size * token_stride;
+    for (int64_t h = 0; h < group; ++h) {
+      const float* qh = qf.data() + h * D;
+      float tile_max = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        const scalar_t* kv = k_blk + (start - tile + j) * token_stride;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_float(kv[d]);
+        scores[h * block_size + j] = dot;
+        tile_max = std::max(tile_max, dot);
+      }
+      const float new_max = std::max(m[h], tile_max);
+      const float correction = std::exp(m[h] - new_max);
+      float* acc_h = acc.data() + h * D;
+      l[h] *= correction;
+      for (int64_t d = 0; d < D; ++d) acc_h[d] *= correction;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = std::exp(scores[h * block_size + j] - new_max);
+        l[h] += p;
+        const scalar_t* vv = v_blk + (start - tile + j) * token_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc_h[d] += p * to_float(vv[d]);
+      }
+      m[h] = new_max;
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    const float inv = 1.f / l[h];
+    for (int64_t d = 0; d < D; ++d)
+      out[h * out_head_stride + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
+  }
+}
+
+}  // namespace
+
+void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                     torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor out,
+                     double scale, int64_t window) {
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous(),
+              "paged_attention: query, kv_cache and out must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong,
+              "paged_attention: index tensors must be int64");
+  const int64_t num_heads = query.size(1), D = query.size(2);
+  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / kv_heads;
+  const int64_t num_seqs = seq_lens.size(0), max_blocks = block_tables.size(1);
+  const int64_t token_stride = kv_heads * D;
+  const int64_t num_tokens = query.size(0);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+
+  // token -> its sequence, so work items are flat (token, kv head) pairs
+  std::vector<int64_t> token_seq(num_tokens);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t t = starts[s]; t < starts[s + 1]; ++t) token_seq[t] = s;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
+    const scalar_t* v_base = k_base + kv_cache.stride(0);
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, num_tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t t = item / kv_heads, g = item % kv_heads, s = token_seq[t];
+        const int64_t q_len = starts[s + 1] - starts[s];
+        const int64_t pos = lens[s] - q_len + (t - starts[s]);
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        attend_row<scalar_t>(q + (t * num_heads + g * group) * D, k_base + g * D, v_base + g * D,
+                             tables + s * max_blocks, lo, pos + 1, block_size, token_stride,
+                             group, D, static_cast<float>(scale),
+                             o + (t * num_heads + g * group) * D, D);
+      }
+    });
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over KV blocks (CPU)");
+}
