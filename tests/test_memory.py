@@ -75,6 +75,9 @@ def test_n4_shares_prompt_blocks(llm, chat_prompts):
     again = llm.generate(_ids([prompt]), params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == samples
     assert [c.index for c in again.outputs] == [0, 1, 2, 3]
+    tok = llm.get_tokenizer()
+    for c in again.outputs:
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
     assert llm.kv_cache_stats().free_blocks == free0
 
 

@@ -315,6 +315,7 @@ class AsyncLLM:
         if tracked is None:
             return
         self._safe_abort(request_id)
+        logger.info("aborted request %s%s", request_id, f" ({error})" if error else "")
         if error is not None:
             _deliver(tracked.loop, [(tracked.stream, error)])
         finished = self._finished_stats(tracked, "abort", time.monotonic())

@@ -137,9 +137,8 @@ class LLMEngine:
     def _load_model(self) -> torch.nn.Module:
         cls = get_model_class(self.hf_config)
         backend = get_attention_backend(self.args.attention_backend, self.device)
-        max_positions = max(self.max_model_len, self.hf_config.max_position_embeddings)
         with torch.device(self.device):
-            model = cls(self.hf_config, backend, max_positions).to(self.dtype)
+            model = cls(self.hf_config, backend, self.max_model_len).to(self.dtype)
         if self.args.load_format == "dummy":  # vLLM's name: random weights, for benchmarks
             for param in model.parameters():
                 param.data.uniform_(-1e-3, 1e-3)
@@ -246,6 +245,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        self.output_processor.mark_scheduled(sched.requests)
         try:
             out = self.model_runner.execute_model(sched)
         except Exception:
@@ -253,7 +253,8 @@ class LLMEngine:
             self.kv_cache_manager.pool.reset_prefix_cache()
             raise
         self.scheduler.update_from_output(sched, out.sampled)
-        outputs, stopped = self.output_processor.process(sched.requests, out)
+        forked = [child for children in sched.forks.values() for child in children]
+        outputs, stopped = self.output_processor.process(sched.requests + forked, out)
         if stopped:
             self.scheduler.finish_requests([r.request_id for r in stopped],
                                            RequestStatus.FINISHED_STOPPED)

@@ -69,7 +69,16 @@ class OutputProcessor:
             parent.samples.append(SampleState(index, child, detok, logprobs, cumulative))
             self.sample_to_parent[child.request_id] = parent
 
-    def process(self, requests: list[Request], out: ModelRunnerOutput) -> tuple[list[RequestOutput], list[Request]]:
+    def mark_scheduled(self, requests: list[Request]) -> None:
+        """Stamp the requests' first scheduling time (the end of their queue time)."""
+        now = time.monotonic()
+        for request in requests:
+            parent = self.sample_to_parent.get(request.request_id)
+            if parent is not None and parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = now
+
+    def process(self, requests: list[Request], out: ModelRunnerOutput
+                ) -> tuple[list[RequestOutput], list[Request]]:
         """Update the samples that produced a token this step.
 
         Returns the outputs of the touched requests, and the samples a stop string ended
@@ -82,8 +91,6 @@ class OutputProcessor:
             parent = self.sample_to_parent.get(request.request_id)
             if parent is None:
                 continue
-            if parent.metrics.first_scheduled_time is None:
-                parent.metrics.first_scheduled_time = now
             if request.request_id in out.prompt_logprobs:
                 self._add_prompt_logprobs(parent, *out.prompt_logprobs[request.request_id])
             token = out.sampled.get(request.request_id)

@@ -1,0 +1,324 @@
+"""The OpenAI-compatible HTTP server (``pagedserve serve``): FastAPI on uvicorn.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
+(and ``/v1/models/{id}``), plus vLLM's ``GET /health``, ``GET /version``, ``GET /metrics``
+(Prometheus text), ``POST /tokenize``, ``POST /detokenize``.
+
+Errors always use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
+bad JSON, bad types, out-of-range values and prompts that do not fit; 401 for a missing or
+wrong key when ``--api-key`` is set (``/v1/*`` only, as vLLM); 404 for an unknown model or
+route; 503 while shutting down. Bad input never yields a 500.
+
+SIGINT/SIGTERM: stop accepting connections, abort requests in flight (their streams end
+with an error event), and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import logging
+import signal
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedserve
+from pagedserve.engine.args import EngineArgs
+from pagedserve.engine.async_engine import AsyncLLM
+from pagedserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_engine import APIError, ServingContext
+from pagedserve.metrics import PrometheusStatLogger
+from pagedserve.models.loader import DEFAULT_MODEL
+
+logger = logging.getLogger("pagedserve.server")
+
+
+# -- errors ---------------------------------------------------------------------------
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``."""
+    parts = [p for p in loc if p != "body"]
+    # Drop the names of union members (pydantic adds e.g. "str", "list[int]").
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif "[" in p or p in ("str", "int", "float", "bool") or p[:1].isupper():
+            continue
+        else:
+            out += f".{p}" if out else p
+    return out or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The 400 for a request body FastAPI/pydantic rejected (JSON syntax, types, ranges)."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first.get("msg", ""))
+        return APIError(400, f"We could not parse the JSON body of your request: {detail}")
+    if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+        return APIError(400, "the request body is missing; send a JSON object")
+    messages = []
+    for err in errors[:5]:
+        param = _loc_to_param(tuple(err.get("loc", ())))
+        value = err.get("input")
+        shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+        where = f"'{param}'" if param else "the request body"
+        messages.append(f"Invalid value for {where}: {err.get('msg')} (got {shown})")
+    if len(errors) > 5:
+        messages.append(f"... and {len(errors) - 5} more")
+    return APIError(400, "; ".join(messages), param=_loc_to_param(tuple(first.get("loc", ()))))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error to OpenAI's error body (never FastAPI's default ``detail``)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return APIError(404, "Not found: unknown route").response()
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def crash(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error", exc_info=exc)
+        return APIError(500, f"internal server error: {exc!r}").response()
+
+
+class APIKeyMiddleware:
+    """Require ``Authorization: Bearer <key>`` on ``/v1/*`` (pure ASGI, so streaming and
+    disconnect detection pass through untouched)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
+                or not scope.get("path", "").startswith("/v1")):
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"authorization")
+        if given is None:
+            err = APIError(401, "You didn't provide an API key. Send it in the Authorization "
+                                "header as 'Authorization: Bearer YOUR_KEY'.")
+        elif not hmac.compare_digest(given, self.expected):
+            err = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        else:
+            return await self.app(scope, receive, send)
+        await err.response()(scope, receive, send)
+
+
+# -- the app --------------------------------------------------------------------------
+
+
+def served_names(args: argparse.Namespace, model_path: Any) -> tuple[str, set[str]]:
+    """(name shown in the API, every name a request may use)."""
+    model = getattr(args, "model", None)
+    name = getattr(args, "served_model_name", None) or model or DEFAULT_MODEL
+    aliases = {name, str(model_path)}
+    if model is not None:
+        aliases.add(model)
+    else:
+        aliases.add(DEFAULT_MODEL)
+    return name, aliases
+
+
+def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """The FastAPI application over a started or unstarted ``ctx.engine`` (the lifespan
+    starts it and shuts it down)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        ctx.engine.start()
+        yield
+        ctx.engine.shutdown()
+        ctx.executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    completion = OpenAIServingCompletion(ctx)
+    chat = OpenAIServingChat(ctx)
+    app.state.ctx = ctx
+    created = int(time.time())
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=ctx.served_model_name, created=created, root=ctx.model_root,
+                         max_model_len=ctx.max_model_len)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine thread runs, else 503."""
+        return Response(status_code=200 if ctx.engine.is_running else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if stat_logger is None:
+            raise APIError(404, "metrics are disabled")
+        return Response(stat_logger.render(), media_type=stat_logger.CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return Response(ModelList(data=[model_card()]).model_dump_json(),
+                        media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        ctx.check_model(model_id)
+        return Response(model_card().model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await completion.create_completion(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create_chat_completion(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        ctx.check_model(body.model)
+        if ctx.tokenizer is None:
+            raise APIError(400, "the server has no tokenizer (skip_tokenizer_init)")
+        if isinstance(body, TokenizeChatRequest):
+            ids = await ctx.run_tokenizer(ctx.apply_chat_template, body.messages,
+                                          body.add_generation_prompt,
+                                          body.continue_final_message, body.chat_template_kwargs)
+        else:
+            ids = await ctx.run_tokenizer(
+                lambda: list(ctx.tokenizer.encode(body.prompt,
+                                                  add_special_tokens=body.add_special_tokens)))
+        strs = None
+        if body.return_token_strs:
+            strs = await ctx.run_tokenizer(ctx.tokenizer.convert_ids_to_tokens, ids)
+        out = TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,
+                               token_strs=strs)
+        return Response(out.model_dump_json(), media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        ctx.check_model(body.model)
+        if ctx.tokenizer is None:
+            raise APIError(400, "the server has no tokenizer (skip_tokenizer_init)")
+        vocab = len(ctx.tokenizer)
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of the vocabulary [0, {vocab})",
+                           param="tokens")
+        text = await ctx.run_tokenizer(ctx.tokenizer.decode, body.tokens)
+        return Response(DetokenizeResponse(prompt=text).model_dump_json(),
+                        media_type="application/json")
+
+    return app
+
+
+# -- running it -----------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but a signal also aborts the engine's requests, and the process then exits
+    0 instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:
+            logger.info("received %s: shutting down", signal.Signals(sig).name)
+        self.engine.abort_all()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        original = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def _url(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the model, serve until SIGINT/SIGTERM; returns the exit code: 0 after a signal,
+    non-zero (uvicorn's 3) if the server could not start, e.g. the port is taken.
+
+    Raises ``ValueError`` / ``FileNotFoundError`` from the engine for bad arguments."""
+    engine_args = EngineArgs.from_cli_args(args)
+    engine = AsyncLLM.from_engine_args(engine_args)
+    core = engine.engine
+    name, aliases = served_names(args, core.model_path)
+    stat_logger = PrometheusStatLogger(name, core.max_model_len)
+    engine.stat_logger = stat_logger
+    ctx = ServingContext(engine=engine, served_model_name=name, model_aliases=aliases,
+                         model_root=str(core.model_path), tokenizer=core.tokenizer,
+                         max_model_len=core.max_model_len)
+    app = build_app(ctx, stat_logger, api_key=args.api_key)
+    block_size = core.args.block_size
+    logger.info("pagedserve %s: model %s (%s)", pagedserve.__version__, name, core.model_path)
+    logger.info("device %s, dtype %s, torch threads %d", core.device,
+                str(core.dtype).removeprefix("torch."), engine.num_threads)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d, "
+                "max_num_seqs %d, max_num_batched_tokens %d", core.num_blocks, block_size,
+                core.num_blocks * block_size, core.max_model_len,
+                core.scheduler_config.max_num_seqs, core.scheduler_config.max_num_batched_tokens)
+    logger.info("OpenAI-compatible API at %s/v1 (health: %s/health, metrics: %s/metrics)%s",
+                _url(args.host, args.port), _url(args.host, args.port), _url(args.host, args.port),
+                "; API key required" if args.api_key else "")
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=5)
+    server = _Server(config, engine)
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
+        return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        engine.shutdown()
+    if not server.started:
+        return 1
+    logger.info("server stopped")
+    return 0

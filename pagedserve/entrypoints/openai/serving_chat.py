@@ -1,0 +1,170 @@
+"""``POST /v1/chat/completions``: OpenAI's chat completions API, streaming or not.
+
+Source: OpenAI API reference, "Chat Completions" (``chat.completion`` and
+``chat.completion.chunk`` objects; the first delta carries ``role``; ``finish_reason`` in
+the last chunk of each choice; with ``stream_options.include_usage`` a last chunk with
+empty ``choices`` and the usage; logprobs as ``{"content": [{token, logprob, bytes,
+top_logprobs}]}``). The prompt is the model's chat template with the generation prompt,
+exactly as ``LLM.chat`` builds it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from pagedserve.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessageResponse,
+    TopLogprob,
+    UsageInfo,
+)
+from pagedserve.entrypoints.openai.serving_engine import (
+    APIError,
+    ServingContext,
+    add_requests,
+    clamp_logprob,
+    engine_error,
+    merge_streams,
+    random_id,
+    sampling_params,
+    sse,
+    sse_error,
+    until_disconnected,
+)
+from pagedserve.outputs import Logprob, RequestOutput
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
+                  top: int) -> ChatCompletionLogProbs:
+    """Chat logprobs for ``token_ids``: each token with its ``top`` most likely
+    alternatives (rank order); ``bytes`` are the UTF-8 bytes of the token text."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid)
+        if chosen is None:
+            continue
+        alternatives = sorted((e for e in entry.values() if e.rank is not None and e.rank <= top),
+                              key=lambda e: e.rank)
+        content.append(ChatCompletionLogProb(
+            token=chosen.decoded_token or "", logprob=clamp_logprob(chosen.logprob),
+            bytes=list((chosen.decoded_token or "").encode()),
+            top_logprobs=[TopLogprob(token=e.decoded_token or "", logprob=clamp_logprob(e.logprob),
+                                     bytes=list((e.decoded_token or "").encode()))
+                          for e in alternatives[:top]]))
+    return ChatCompletionLogProbs(content=content)
+
+
+class OpenAIServingChat:
+    """Handler of ``/v1/chat/completions``."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        """Answer one chat request. Raises ``APIError`` (400, 404, 503)."""
+        arrival = time.monotonic()
+        self.ctx.check_model(req.model)
+        if req.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, f"response_format {req.response_format.type!r} is not supported",
+                           param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = sampling_params(req, max_tokens, top)
+        add_generation_prompt = req.add_generation_prompt is not False
+        prompt_ids = await self.ctx.run_tokenizer(
+            self.ctx.apply_chat_template, req.messages, add_generation_prompt,
+            bool(req.continue_final_message), req.chat_template_kwargs)
+        request_id = random_id("chatcmpl")
+        streams = await add_requests(self.ctx.engine, request_id,
+                                     [{"prompt_token_ids": prompt_ids}], params, arrival,
+                                     prompt_param="messages")
+        if req.stream:
+            return StreamingResponse(self._stream(req, request_id, streams, top),
+                                     media_type="text/event-stream")
+        return await until_disconnected(raw, self._full(request_id, streams, top))
+
+    async def _full(self, request_id: str, streams, top: int | None) -> Response:
+        final: RequestOutput | None = None
+        try:
+            async for _, out in merge_streams(streams):
+                final = out
+        except Exception as err:
+            raise engine_error(err) from err
+        choices = []
+        usage = UsageInfo(prompt_tokens=len(final.prompt_token_ids))
+        for c in final.outputs:
+            usage.completion_tokens += len(c.token_ids)
+            logprobs = (chat_logprobs(c.token_ids, c.logprobs or [], top)
+                        if top is not None else None)
+            choices.append(ChatCompletionResponseChoice(
+                index=c.index, message=ChatMessageResponse(content=c.text), logprobs=logprobs,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        body = ChatCompletionResponse(id=request_id, model=self.ctx.served_model_name,
+                                      choices=choices, usage=usage)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, streams,
+                      top: int | None) -> AsyncIterator[str]:
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        model = self.ctx.served_model_name
+        n = req.n or 1
+        sent_text = [0] * n
+        sent_tokens = [0] * n
+        done: set[int] = set()
+        usage = UsageInfo()
+
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            body = ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                choices=[choice])
+            return sse(body.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+        try:
+            for i in range(n):
+                yield chunk(ChatCompletionStreamChoice(
+                    index=i, delta={"role": "assistant", "content": ""}))
+            async for _, out in merge_streams(streams):
+                usage.prompt_tokens = len(out.prompt_token_ids)
+                usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+                for c in out.outputs:
+                    i = c.index
+                    if i in done:
+                        continue
+                    text = c.text[sent_text[i]:]
+                    sent_text[i] = len(c.text)
+                    logprobs = None
+                    if top is not None:
+                        start = sent_tokens[i]
+                        logprobs = chat_logprobs(c.token_ids[start:], (c.logprobs or [])[start:],
+                                                 top)
+                        sent_tokens[i] = len(c.token_ids)
+                    if not text and not (logprobs and logprobs.content) and not c.finish_reason:
+                        continue
+                    if c.finish_reason is not None:
+                        done.add(i)
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=i, delta={"content": text} if text else {}, logprobs=logprobs,
+                        finish_reason=c.finish_reason))
+            if include_usage:
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield sse(ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=usage).model_dump_json())
+        except Exception as err:  # noqa: BLE001 - shutdown, step failure: tell the client in-band
+            yield sse_error(err)
+        yield sse("[DONE]")

@@ -1,0 +1,228 @@
+"""``POST /v1/completions``: OpenAI's legacy completions API, streaming or not.
+
+Source: OpenAI API reference, "Completions" (request fields, ``text_completion`` objects,
+legacy ``logprobs`` with ``tokens`` / ``token_logprobs`` / ``top_logprobs`` /
+``text_offset``); vLLM's ``serving_completion.py`` for ``echo`` with logprobs (the first
+prompt token has no logprob) and choice numbering (``prompt_index * n + sample_index``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from pagedserve.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from pagedserve.entrypoints.openai.serving_engine import (
+    APIError,
+    ServingContext,
+    add_requests,
+    clamp_logprob,
+    engine_error,
+    merge_streams,
+    random_id,
+    sampling_params,
+    sse,
+    sse_error,
+    until_disconnected,
+)
+from pagedserve.outputs import Logprob, RequestOutput
+
+
+def normalize_prompts(prompt) -> list[str | dict]:
+    """OpenAI's four prompt shapes -> engine prompts (text or ``{"prompt_token_ids"}``).
+
+    Raises ``APIError`` 400 for an empty list."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be an empty list", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    return [{"prompt_token_ids": list(p)} for p in prompt]
+
+
+class LogprobsBuilder:
+    """Builds legacy ``CompletionLogProbs`` for consecutive tokens of one choice.
+
+    ``top`` is the request's ``logprobs`` (N): each position lists the N most likely tokens
+    plus the chosen one. ``text_offset`` continues across calls (streaming chunks).
+    """
+
+    def __init__(self, top: int, offset: int = 0) -> None:
+        self.top = top
+        self.offset = offset
+
+    def build(self, token_ids: list[int], entries: list[dict[int, Logprob] | None],
+              first_token_text: str | None = None) -> CompletionLogProbs:
+        """``entries[i]`` is the logprob dict of ``token_ids[i]``; None only for the first
+        prompt token under ``echo`` (its text is ``first_token_text``)."""
+        lp = CompletionLogProbs()
+        for tid, entry in zip(token_ids, entries):
+            if entry is None or tid not in entry:
+                text = first_token_text or ""
+                lp.tokens.append(text)
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+            else:
+                chosen = entry[tid]
+                text = chosen.decoded_token or ""
+                lp.tokens.append(text)
+                lp.token_logprobs.append(clamp_logprob(chosen.logprob))
+                top: dict[str, float] = {}
+                for t, e in sorted(entry.items(), key=lambda kv: kv[1].rank or 0):
+                    if t == tid or (e.rank is not None and e.rank <= self.top):
+                        top[e.decoded_token or ""] = clamp_logprob(e.logprob)
+                lp.top_logprobs.append(top)
+            lp.text_offset.append(self.offset)
+            self.offset += len(text)
+        return lp
+
+
+class OpenAIServingCompletion:
+    """Handler of ``/v1/completions``."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
+        """Answer one completions request. Raises ``APIError`` (400, 404, 503)."""
+        arrival = time.monotonic()
+        self.ctx.check_model(req.model)
+        if req.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        n = req.n or 1
+        if req.best_of is not None and req.best_of != n:
+            raise APIError(400, "best_of must equal n: best-of sampling is not supported",
+                           param="best_of")
+        prompts = normalize_prompts(req.prompt)
+        echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        params = sampling_params(req, req.max_tokens, req.logprobs, echo_logprobs)
+        request_id = random_id("cmpl")
+        streams = await add_requests(self.ctx.engine, request_id, prompts, params, arrival)
+        if req.stream:
+            return StreamingResponse(self._stream(req, request_id, streams, n),
+                                     media_type="text/event-stream")
+        return await until_disconnected(raw, self._full(req, request_id, streams, n))
+
+    async def _echo_info(self, out: RequestOutput) -> tuple[str, str]:
+        """(prompt text, text of the first prompt token) for ``echo``."""
+        tok = self.ctx.tokenizer
+        if tok is None:
+            return out.prompt or "", ""
+
+        def decode() -> tuple[str, str]:
+            text = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+            return text, tok.decode(out.prompt_token_ids[:1])
+
+        return await self.ctx.run_tokenizer(decode)
+
+    async def _full(self, req: CompletionRequest, request_id: str, streams, n: int) -> Response:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+        except Exception as err:
+            raise engine_error(err) from err
+        choices, usage = [], UsageInfo()
+        for i, out in enumerate(finals):
+            prompt_text = first_token = ""
+            if req.echo:
+                prompt_text, first_token = await self._echo_info(out)
+            usage.prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                logprobs = None
+                if req.logprobs is not None:
+                    builder = LogprobsBuilder(req.logprobs)
+                    token_ids, entries = list(c.token_ids), list(c.logprobs or [])
+                    if req.echo:
+                        token_ids = list(out.prompt_token_ids) + token_ids
+                        entries = list(out.prompt_logprobs or []) + entries
+                    logprobs = builder.build(token_ids, entries, first_token)
+                choices.append(CompletionResponseChoice(
+                    index=i * n + c.index, text=prompt_text + c.text, logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        body = CompletionResponse(id=request_id, model=self.ctx.served_model_name,
+                                  choices=choices, usage=usage)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _stream(self, req: CompletionRequest, request_id: str, streams,
+                      n: int) -> AsyncIterator[str]:
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        model = self.ctx.served_model_name
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        builders: dict[int, LogprobsBuilder] = {}
+        done: set[int] = set()
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens: dict[int, int] = {}
+
+        def chunk(choice: CompletionResponseChoice) -> str:
+            body = CompletionStreamResponse(id=request_id, created=created, model=model,
+                                            choices=[choice])
+            return sse(body.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+        try:
+            async for i, out in merge_streams(streams):
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    completion_tokens[idx] = len(c.token_ids)
+                    if idx in done:
+                        continue
+                    text, logprobs = c.text[sent_text.get(idx, 0):], None
+                    if idx not in sent_text and req.echo:
+                        prompt_text, first_token = await self._echo_info(out)
+                        text = prompt_text + text
+                        if req.logprobs is not None:
+                            builders[idx] = LogprobsBuilder(req.logprobs)
+                            logprobs = builders[idx].build(list(out.prompt_token_ids),
+                                                           list(out.prompt_logprobs or []),
+                                                           first_token)
+                    sent_text[idx] = len(c.text)
+                    if req.logprobs is not None:
+                        start = sent_tokens.get(idx, 0)
+                        builder = builders.setdefault(idx, LogprobsBuilder(req.logprobs))
+                        new = builder.build(c.token_ids[start:], (c.logprobs or [])[start:])
+                        sent_tokens[idx] = len(c.token_ids)
+                        logprobs = _concat(logprobs, new)
+                    has_tokens = logprobs is not None and logprobs.tokens
+                    if not text and not has_tokens and c.finish_reason is None:
+                        continue
+                    if c.finish_reason is not None:
+                        done.add(idx)
+                    yield chunk(CompletionResponseChoice(
+                        index=idx, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason))
+            if include_usage:
+                usage = UsageInfo(prompt_tokens=sum(prompt_tokens.values()),
+                                  completion_tokens=sum(completion_tokens.values()))
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model,
+                                                   choices=[], usage=usage).model_dump_json())
+        except Exception as err:  # noqa: BLE001 - shutdown, step failure: tell the client in-band
+            yield sse_error(err)
+        yield sse("[DONE]")
+
+
+def _concat(a: CompletionLogProbs | None, b: CompletionLogProbs) -> CompletionLogProbs:
+    if a is None:
+        return b
+    return CompletionLogProbs(text_offset=a.text_offset + b.text_offset,
+                              token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens,
+                              top_logprobs=a.top_logprobs + b.top_logprobs)

@@ -1,0 +1,249 @@
+"""Prometheus metrics with vLLM's own names, so vLLM dashboards and tools work unchanged.
+
+Names, help texts, buckets and labels follow vLLM v1 (``vllm/v1/metrics/loggers.py``,
+``PrometheusStatLogger``); every series carries the labels ``model_name`` (the served model
+name) and ``engine`` (always ``"0"``: one engine per server). Counters are exposed with
+prometheus-client's ``_total`` suffix (``vllm:prompt_tokens_total``), as vLLM's are.
+
+The engine loop computes plain stats objects (``SchedulerStats`` after every step,
+``IterationStats`` per step, ``FinishedRequestStats`` per finished request) and hands them
+to ``PrometheusStatLogger.record``; the collectors are thread-safe, and ``/metrics`` renders
+them with ``render()``. Times are seconds on the ``time.monotonic`` clock.
+
+pagedserve extra (not a vLLM name): ``pagedserve:iteration_num_seqs``, a histogram of the
+number of sequences that produced a token in one engine step (the decode batch size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import prometheus_client
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+_REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+]
+_TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]
+_ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+]
+_ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+@dataclass
+class SchedulerStats:
+    """Engine state after a step (gauges) and cumulative cache counters.
+
+    ``kv_cache_usage`` is the fraction (0-1) of KV blocks held by requests;
+    ``prefix_cache_queries`` / ``prefix_cache_hits`` are cumulative token counts and
+    ``num_preemptions`` a cumulative count (the logger turns them into counter increments).
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    """One request's totals when it ends (``finish_reason`` is stop, length or abort)."""
+
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens_param: int | None
+    n_param: int = 1
+    queued_time: float = 0.0
+    prefill_time: float = 0.0
+    inference_time: float = 0.0
+    decode_time: float = 0.0
+
+
+@dataclass
+class IterationStats:
+    """What one engine step produced.
+
+    ``num_prompt_tokens`` counts the prompts of requests that got their first token in this
+    step (vLLM's accounting), ``num_generation_tokens`` the tokens sampled, ``num_seqs`` the
+    sequences that produced a token; latencies are in seconds.
+    """
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_seqs: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's buckets for token counts)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class PrometheusStatLogger:
+    """vLLM's Prometheus collectors for one served model, in their own registry.
+
+    Args:
+        model_name: value of the ``model_name`` label (the served model name).
+        max_model_len: longest sequence in tokens (sizes the token-count buckets).
+        registry: where to register; a fresh ``CollectorRegistry`` (with the process,
+            platform and GC collectors that prometheus-client's default registry has) when
+            None, so several servers can live in one process (tests).
+    """
+
+    def __init__(self, model_name: str, max_model_len: int,
+                 registry: CollectorRegistry | None = None) -> None:
+        if registry is None:
+            registry = CollectorRegistry(auto_describe=True)
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                try:
+                    registry.register(collector)
+                except ValueError:  # pragma: no cover - already there
+                    pass
+        self.registry = registry
+        labels = ["model_name", "engine"]
+        values = (model_name, "0")
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=registry).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets,
+                             registry=registry).labels(*values)
+
+        self.num_requests_running = gauge("vllm:num_requests_running",
+                                          "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting",
+                                          "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc",
+                                    "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("vllm:num_preemptions",
+                                       "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          labels + ["finished_reason"], registry=registry)
+        self.request_success = {r: success.labels(*values, r) for r in FINISH_REASONS}
+
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            token_buckets)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            _ITERATION_TOKEN_BUCKETS)
+        self.request_params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20])
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            token_buckets)
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            _TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            _ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.iteration_num_seqs = histogram(
+            "pagedserve:iteration_num_seqs",
+            "Histogram of the number of sequences that produced a token per engine step.",
+            _BATCH_BUCKETS)
+        self._last = SchedulerStats()
+
+    def record(self, scheduler_stats: SchedulerStats | None,
+               iteration_stats: IterationStats | None) -> None:
+        """Update the collectors; safe to call from the engine thread while scraped."""
+        if scheduler_stats is not None:
+            s, last = scheduler_stats, self._last
+            self.num_requests_running.set(s.num_running_reqs)
+            self.num_requests_waiting.set(s.num_waiting_reqs)
+            self.kv_cache_usage.set(s.kv_cache_usage)
+            self.prefix_cache_queries.inc(max(0, s.prefix_cache_queries - last.prefix_cache_queries))
+            self.prefix_cache_hits.inc(max(0, s.prefix_cache_hits - last.prefix_cache_hits))
+            self.num_preemptions.inc(max(0, s.num_preemptions - last.num_preemptions))
+            self._last = s
+        if iteration_stats is None:
+            return
+        it = iteration_stats
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        if it.num_prompt_tokens or it.num_generation_tokens:
+            self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
+        if it.num_seqs:
+            self.iteration_num_seqs.observe(it.num_seqs)
+        for ttft in it.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in it.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+        for f in it.finished_requests:
+            self.request_success.get(f.finish_reason, self.request_success["stop"]).inc()
+            self.e2e_request_latency.observe(f.e2e_latency)
+            self.request_queue_time.observe(f.queued_time)
+            self.request_prefill_time.observe(f.prefill_time)
+            self.request_inference_time.observe(f.inference_time)
+            self.request_decode_time.observe(f.decode_time)
+            self.request_prompt_tokens.observe(f.num_prompt_tokens)
+            self.request_generation_tokens.observe(f.num_generation_tokens)
+            self.request_params_n.observe(f.n_param)
+            if f.max_tokens_param:
+                self.request_params_max_tokens.observe(f.max_tokens_param)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text exposition format (``CONTENT_TYPE``)."""
+        return prometheus_client.generate_latest(self.registry)
+
+    CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST

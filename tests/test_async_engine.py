@@ -1,0 +1,218 @@
+"""AsyncLLM: the engine thread, per-request streams, aborts and errors, on a fake engine."""
+
+import asyncio
+import itertools
+import threading
+import time
+
+import pytest
+
+from pagedserve.core.kv_cache_manager import KVCacheStats
+from pagedserve.engine.async_engine import (
+    AsyncLLM,
+    EngineClosedError,
+    EngineStepError,
+    RequestAbortedError,
+)
+from pagedserve.metrics import PrometheusStatLogger
+from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+class FakeScheduler:
+    def __init__(self, engine):
+        self.engine = engine
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self):
+        return len(self.engine.live)
+
+    num_waiting = 0
+
+
+class FakeEngine:
+    """Each request emits one token ("t<i>") per step until max_tokens; a prompt "bad"
+    raises ValueError; ``fail_next_step`` makes one step raise."""
+
+    def __init__(self, step_delay=0.0):
+        self.live: dict[str, list] = {}
+        self.scheduler = FakeScheduler(self)
+        self.step_delay = step_delay
+        self.fail_next_step = False
+        self.steps = 0
+        self.aborted: list[str] = []
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, rid, prompt, params, arrival_time=None):
+        self.thread_ids.add(threading.get_ident())
+        if prompt == "bad":
+            raise ValueError("prompt is bad")
+        self.live[rid] = [params.max_tokens, [], RequestMetrics(arrival_time)]
+
+    def abort_request(self, rid):
+        self.thread_ids.add(threading.get_ident())
+        if self.live.pop(rid, None) is not None:
+            self.aborted.append(rid)
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def kv_cache_stats(self):
+        used = len(self.live)
+        return KVCacheStats(total_blocks=100, free_blocks=100 - used, used_blocks=used,
+                            cached_blocks=0, block_size=16, num_tokens=used,
+                            prefix_cache_queries=0, prefix_cache_hits=0)
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        self.steps += 1
+        time.sleep(self.step_delay)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("boom")
+        outs = []
+        for rid, state in list(self.live.items()):
+            max_tokens, tokens, metrics = state
+            metrics.first_scheduled_time = metrics.first_scheduled_time or time.monotonic()
+            tokens.append(len(tokens))
+            done = len(tokens) >= max_tokens
+            text = "".join(f"t{t}" for t in tokens)
+            outs.append(RequestOutput(rid, "p", [1, 2, 3], None, [CompletionOutput(
+                0, text, list(tokens), None, None, "length" if done else None)], done,
+                metrics=metrics))
+            if done:
+                del self.live[rid]
+        return outs
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+@pytest.fixture
+def engine():
+    fake = FakeEngine()
+    stats = PrometheusStatLogger("fake", 64)
+    llm = AsyncLLM(fake, stats, num_threads=1)
+    llm.start()
+    yield llm
+    llm.shutdown()
+
+
+def test_streams_outputs_in_order_and_finishes(engine):
+    async def main():
+        texts = [out.outputs[0].text async for out in
+                 engine.generate("p", SamplingParams(max_tokens=4), "r1")]
+        return texts
+
+    texts = run(main())
+    assert texts[-1] == "t0t1t2t3"
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # cumulative, only grows
+    assert engine.engine.thread_ids == {engine._thread.ident}  # engine touched by one thread
+
+
+def test_many_concurrent_requests_share_steps(engine):
+    async def one(i):
+        out = None
+        async for out in engine.generate("p", SamplingParams(max_tokens=5), f"r{i}"):
+            pass
+        return out
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(20)))
+
+    outs = run(main())
+    assert all(o.finished and o.outputs[0].token_ids == [0, 1, 2, 3, 4] for o in outs)
+    assert engine.num_steps < 20 * 5  # steps were shared, not one request at a time
+
+
+def test_bad_request_fails_only_itself(engine):
+    async def main():
+        good = await engine.add_request("g", "p", SamplingParams(max_tokens=3))
+        with pytest.raises(ValueError, match="bad"):
+            await engine.add_request("b", "bad", SamplingParams(max_tokens=3))
+        return [o async for o in good]
+
+    outs = run(main())
+    assert outs[-1].finished
+
+
+def test_abort_by_leaving_the_stream(engine):
+    fake = engine.engine
+    fake.step_delay = 0.01
+
+    async def main():
+        stream = await engine.add_request("r", "p", SamplingParams(max_tokens=1000))
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        for _ in range(200):
+            if "r" in fake.aborted:
+                return
+            await asyncio.sleep(0.01)
+
+    run(main())
+    assert "r" in fake.aborted and not fake.live
+
+
+def test_step_failure_fails_in_flight_requests_and_loop_survives(engine):
+    fake = engine.engine
+
+    async def main():
+        stream = await engine.add_request("r", "p", SamplingParams(max_tokens=1000))
+        fake.fail_next_step = True
+        with pytest.raises(EngineStepError):
+            async for _ in stream:
+                pass
+        outs = [o async for o in engine.generate("p", SamplingParams(max_tokens=2), "r2")]
+        return outs
+
+    outs = run(main())
+    assert outs[-1].finished and not fake.live
+
+
+def test_idle_loop_sleeps(engine):
+    async def main():
+        async for _ in engine.generate("p", SamplingParams(max_tokens=2), "r"):
+            pass
+
+    run(main())
+    steps = engine.engine.steps
+    time.sleep(0.2)
+    assert engine.engine.steps == steps  # no busy stepping without work
+
+
+def test_shutdown_aborts_in_flight_and_refuses_new(engine):
+    engine.engine.step_delay = 0.01
+
+    async def main():
+        stream = await engine.add_request("r", "p", SamplingParams(max_tokens=10_000))
+        await stream.get()
+        engine.abort_all("going away")
+        with pytest.raises(RequestAbortedError, match="going away"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineClosedError):
+            await engine.add_request("r2", "p", SamplingParams(max_tokens=2))
+
+    run(main())
+    engine._thread.join(5)
+    assert not engine._thread.is_alive() and not engine.engine.live
+
+
+def test_metrics_follow_requests(engine):
+    stats = engine.stat_logger
+
+    async def main():
+        async for _ in engine.generate("p", SamplingParams(max_tokens=3), "r"):
+            pass
+
+    run(main())
+    time.sleep(0.05)
+    text = stats.render().decode()
+    assert 'vllm:generation_tokens_total{engine="0",model_name="fake"} 3.0' in text
+    assert 'vllm:prompt_tokens_total{engine="0",model_name="fake"} 3.0' in text
+    assert ('vllm:request_success_total{engine="0",finished_reason="length",'
+            'model_name="fake"} 1.0') in text
+    assert 'vllm:num_requests_running{engine="0",model_name="fake"} 0.0' in text

@@ -1,0 +1,499 @@
+"""The OpenAI-compatible server, end to end: a real `pagedserve serve` process on a free
+loopback port, driven by the official `openai` client (and httpx for raw checks).
+
+One server is shared by the whole module (the model loads once); the SIGTERM test runs
+last and stops it. Greedy results are compared with the offline `LLM` API, loaded in this
+process while the server starts.
+"""
+
+import asyncio
+import gc
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import pagedserve
+from pagedserve import LLM, SamplingParams
+
+MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "test-key-123"
+MAX_MODEL_LEN = 1024
+MAX_TOKENS = 12
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "Name a color."}],
+]
+START_TIMEOUT = 600  # seconds; the shared 2-core machine can be very slow under load
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / "server.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port",
+             str(self.port), "--dtype", "float32", "--api-key", API_KEY, "--max-model-len",
+             str(MAX_MODEL_LEN), "--uvicorn-log-level", "warning"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"server not ready after {START_TIMEOUT} s:\n{self.log_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """Offline greedy results, computed while the server loads (it started first)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # leave the other core to the server, which loads meanwhile
+    try:
+        llm = LLM(dtype="float32", max_model_len=MAX_MODEL_LEN)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        completions = llm.generate(PROMPTS, params, use_tqdm=False)
+        chats = llm.chat(CHATS, params, use_tqdm=False)
+        tokenizer = llm.get_tokenizer()
+        del llm
+        gc.collect()
+    finally:
+        torch.set_num_threads(threads)
+    return {"completions": completions, "chats": chats, "tokenizer": tokenizer}
+
+
+@pytest.fixture(scope="module")
+def ready(server, reference):
+    """The server, once /health answers (the reference is computed first, while it loads)."""
+    server.wait_ready()
+    return server
+
+
+@pytest.fixture(scope="module")
+def client(ready):
+    return openai.OpenAI(base_url=ready.url + "/v1", api_key=API_KEY, max_retries=0,
+                         timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(ready):
+    with httpx.Client(base_url=ready.url, timeout=300,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
+
+
+def metrics(http: httpx.Client) -> dict:
+    """Sample name + sorted labels -> value, from /metrics parsed by prometheus-client."""
+    text = http.get("/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items()
+                                  if k not in ("model_name", "engine")))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def value(m: dict, name: str, **labels) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30) -> dict:
+    """Poll /metrics until no request runs or waits and the KV cache is empty."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        idle = (value(m, "vllm:num_requests_running") == 0
+                and value(m, "vllm:num_requests_waiting") == 0
+                and value(m, "vllm:kv_cache_usage_perc") == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+# -- 1. results equal the offline API; streaming equals non-streaming -----------------------
+
+
+def test_start_log(ready):
+    log = ready.log_text()
+    for needle in (MODEL, "device cpu", "dtype float32", "KV cache:", "blocks x 16 tokens",
+                   f"http://127.0.0.1:{ready.port}/v1"):
+        assert needle in log, log
+
+
+def test_completions_match_offline_and_stream(client, reference):
+    for prompt, ref in zip(PROMPTS, reference["completions"], strict=True):
+        want = ref.outputs[0]
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0)
+        assert r.object == "text_completion" and r.id.startswith("cmpl-")
+        assert isinstance(r.created, int) and r.model == MODEL
+        assert r.choices[0].text == want.text
+        assert r.choices[0].finish_reason == want.finish_reason
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == len(want.token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+        chunks = list(client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        with_choices = [c for c in chunks if c.choices]
+        assert "".join(c.choices[0].text for c in with_choices) == want.text
+        reasons = [c.choices[0].finish_reason for c in with_choices]
+        assert reasons[-1] == want.finish_reason and set(reasons[:-1]) <= {None}
+        assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+        assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_matches_offline_and_stream(client, reference):
+    for messages, ref in zip(CHATS, reference["chats"], strict=True):
+        want = ref.outputs[0]
+        # list-of-parts content must render like the plain string
+        sent = [dict(m, content=[{"type": "text", "text": m["content"]}])
+                if m["role"] == "user" else m for m in messages]
+        r = client.chat.completions.create(model=MODEL, messages=sent,
+                                           max_completion_tokens=MAX_TOKENS, temperature=0)
+        assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.content == want.text
+        assert r.choices[0].finish_reason == want.finish_reason
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == len(want.token_ids)
+
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        assert all(c.object == "chat.completion.chunk" for c in chunks)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        with_choices = [c for c in chunks if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in with_choices) == want.text
+        reasons = [c.choices[0].finish_reason for c in with_choices]
+        assert reasons[-1] == want.finish_reason and set(reasons[:-1]) <= {None}
+        assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+
+
+def test_raw_sse_format(http):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ")
+        chunk = json.loads(event[len("data: "):])
+        assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk
+        assert chunk["system_fingerprint"] is None and isinstance(chunk["created"], int)
+
+
+def test_logprobs_formats(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 2 and top[tok] == logprob == max(top.values())  # greedy: rank 1
+
+    r = client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 4
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert c.logprob <= 0 and bytes(c.bytes).decode() == c.token
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert [t.logprob for t in c.top_logprobs] == sorted(
+            (t.logprob for t in c.top_logprobs), reverse=True)
+
+
+def test_models_version_tokenize(client, http, reference):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert http.get("/version").json() == {"version": pagedserve.__version__}
+    tok = reference["tokenizer"]
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json() == {
+        "prompt": "Hello world"}
+    r = http.post("/tokenize", json={"model": MODEL, "messages": CHATS[0]}).json()
+    assert r["tokens"] == reference["chats"][0].prompt_token_ids
+
+
+# -- 2. many concurrent streams are batched together ----------------------------------------
+
+
+def test_64_concurrent_streams(ready, http):
+    before = metrics(http)
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=ready.url + "/v1", api_key=API_KEY,
+                                    max_retries=0, timeout=600)
+
+        async def one(i):
+            stream = await client.completions.create(
+                model=MODEL, prompt=f"Item {i}:", max_tokens=6, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            text, usage, reason = "", None, None
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    reason = chunk.choices[0].finish_reason or reason
+                usage = chunk.usage or usage
+            return text, usage, reason
+
+        async with client:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    assert all(u.completion_tokens == 6 and reason == "length" for _, u, reason in results)
+    after = wait_idle(http)
+    assert value(after, "vllm:request_success_total", finished_reason="length") - value(
+        before, "vllm:request_success_total", finished_reason="length") == 64
+    # Steps that produced a token for more than 32 sequences at once.
+    def wide(m):
+        return (value(m, "pagedserve:iteration_num_seqs_count")
+                - value(m, "pagedserve:iteration_num_seqs_bucket", le="32.0"))
+    assert wide(after) - wide(before) >= 1
+    assert (value(after, "vllm:iteration_tokens_total_count")
+            > value(before, "vllm:iteration_tokens_total_count"))
+    big_steps = (value(after, "vllm:iteration_tokens_total_count")
+                 - value(after, "vllm:iteration_tokens_total_bucket", le="32.0"))
+    assert big_steps >= 1
+
+
+# -- 3. a client that goes away aborts its request -------------------------------------------
+
+
+def test_disconnect_aborts_and_frees_kv_cache(ready, http):
+    before = wait_idle(http)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900,
+            "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        # Keep the line iterator referenced: a discarded httpx iterator closes the
+        # connection at once (a disconnect, which is tested below, not yet).
+        lines = r.iter_lines()
+        events = []
+        while len(events) < 3:
+            line = next(lines)
+            if line.startswith("data: "):
+                events.append(line)
+        deadline = time.monotonic() + 10  # the gauge is set after each step
+        while (running := value(metrics(http), "vllm:num_requests_running")) != 1:
+            assert time.monotonic() < deadline, (running, events)
+            time.sleep(0.05)
+    m = wait_idle(http)
+    assert value(m, "vllm:num_requests_running") == 0
+    assert value(m, "vllm:kv_cache_usage_perc") == 0
+
+    # Non-streaming: the client times out and hangs up.
+    body["stream"] = False
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body, timeout=httpx.Timeout(300, read=1.5))
+    m = wait_idle(http)
+    assert value(m, "vllm:num_requests_running") == 0
+    assert value(m, "vllm:kv_cache_usage_perc") == 0
+    aborted = (value(m, "vllm:request_success_total", finished_reason="abort")
+               - value(before, "vllm:request_success_total", finished_reason="abort"))
+    assert aborted == 2
+    tokens = value(m, "vllm:generation_tokens_total") - value(before, "vllm:generation_tokens_total")
+    assert tokens < 2 * 900  # neither ran to the end
+
+
+# -- 4. errors ------------------------------------------------------------------------------
+
+LONG = list(range(100, 100 + MAX_MODEL_LEN + 5))
+CHAT_OK = [{"role": "user", "content": "hi"}]
+ERROR_CASES = [
+    # (method, path, json body or raw bytes, status, param)
+    ("POST", "/v1/completions", b"{not json", 400, None),
+    ("POST", "/v1/completions", b"", 400, None),
+    ("POST", "/v1/completions", b"[1, 2]", 400, None),
+    ("POST", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400,
+     "temperature"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400,
+     "temperature"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400,
+     "max_tokens"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 1000}, 400, "n"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400,
+     "logprobs"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "user": 5}, 400, "user"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400,
+     "stream"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x",
+                                 "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": LONG}, 400, "prompt"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN},
+     400, "prompt"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("POST", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("POST", "/v1/completions", {"model": "/no/such/model", "prompt": "x"}, 404, "model"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x",
+                                                                    "content": "hi"}]},
+     400, "messages[0].role"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_OK, "logprobs": True,
+                                      "top_logprobs": 50}, 400, "top_logprobs"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_OK,
+                                      "max_completion_tokens": -3}, 400,
+     "max_completion_tokens"),
+    ("POST", "/v1/chat/completions", {"model": "nope", "messages": CHAT_OK}, 404, "model"),
+    ("POST", "/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("POST", "/detokenize", {"model": MODEL, "tokens": [10**9]}, 400, "tokens"),
+    ("GET", "/v1/no-such-route", None, 404, None),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "param"), ERROR_CASES)
+def test_error_cases(http, method, path, body, status, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    if isinstance(body, bytes):
+        kwargs["headers"] = {"Content-Type": "application/json"}
+    r = http.request(method, path, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+    if status == 404 and path.startswith("/v1/c"):
+        assert err["code"] == "model_not_found"
+
+
+def test_auth_and_openai_exceptions(ready, client):
+    assert httpx.get(ready.url + "/health").status_code == 200  # open without a key
+    assert httpx.get(ready.url + "/metrics").status_code == 200
+    r = httpx.get(ready.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(ready.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad_key = openai.OpenAI(base_url=ready.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=CHAT_OK, temperature=-1)
+    # The server still answers, and unknown fields of no concern are ignored (as vLLM).
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                  extra_body={"some_future_field": {"x": 1}})
+    assert r.usage.completion_tokens == 2
+
+
+# -- 5. metrics -----------------------------------------------------------------------------
+
+REQUIRED_METRICS = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
+    "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+    "vllm:iteration_tokens_total",
+]
+
+
+def test_metrics_parse_and_move(http, client):
+    text = http.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in REQUIRED_METRICS:
+        assert name in families, name
+        for s in families[name].samples:
+            assert s.labels["model_name"] == MODEL
+    before = metrics(http)
+    r = client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=4,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    after = wait_idle(http)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("vllm:prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("vllm:generation_tokens_total") == 4
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
+    assert delta("vllm:prefix_cache_queries_total") >= r.usage.prompt_tokens
+    for hist in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds"):
+        assert delta(hist + "_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") == 3
+    assert delta("vllm:iteration_tokens_total_count") >= 4
+    assert delta("vllm:iteration_tokens_total_sum") == r.usage.prompt_tokens + 4
+
+
+# -- shutdown (last: it stops the shared server) ------------------------------------------
+
+
+def test_sigterm_aborts_in_flight_and_exits_zero(ready, http):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900,
+            "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        t0 = time.monotonic()
+        ready.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["error"]["message"]
+    assert ready.proc.wait(60) == 0
+    print(f"exit {time.monotonic() - t0:.2f} s after SIGTERM")
+    assert "shutting down" in ready.log_text()
