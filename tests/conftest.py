@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run on CPU tensors under Triton's interpreter
+# (tests/test_triton_*.py). The choice is made when triton is first imported, which
+# torch._dynamo does as a side effect: so it is made here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedserve.models.loader import resolve_model_path
 
