@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
@@ -34,6 +35,8 @@ def _check_int(name: str, value: object, optional: bool = False) -> None:
 def _as_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a float; got {value!r}")  # noqa: TRY004
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number; got {value!r}")
     return float(value)
 
 

@@ -64,3 +64,13 @@ def _save_atomically(tokenizer: transformers.PreTrainedTokenizerBase, dest: path
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``. Raises ``ValueError`` for text that is not valid Unicode
+    (a lone surrogate such as ``"\\ud800"``, which JSON can carry but UTF-8 cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the prompt is not valid Unicode: {e.reason} at position {e.start}") from e
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

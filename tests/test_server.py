@@ -401,6 +401,18 @@ ERROR_CASES = [
     ("POST", "/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("POST", "/detokenize", {"model": MODEL, "tokens": [10**9]}, 400, "tokens"),
     ("GET", "/v1/no-such-route", None, 404, None),
+    # A lone surrogate: valid JSON, not encodable as UTF-8.
+    ("POST", "/v1/completions", b'{"model": "SmolLM2-135M-Instruct", "prompt": "\\ud800"}',
+     400, "prompt"),
+    ("POST", "/tokenize", b'{"model": "SmolLM2-135M-Instruct", "prompt": "\\ud800"}',
+     400, "prompt"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999999": 5}},
+     400, "logit_bias"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [99999999],
+                                 "min_tokens": 2}, 400, "stop_token_ids"),
+    ("POST", "/v1/completions",
+     b'{"model": "SmolLM2-135M-Instruct", "prompt": "x", "temperature": 1e999}', 400,
+     "temperature"),
 ]
 
 

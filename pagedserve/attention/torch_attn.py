@@ -83,24 +83,39 @@ class TorchAttention:
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(query[:nd], kv_cache, meta, scale, sliding_window)
-        start = nd
-        for i in range(nd, meta.num_seqs):
+        self._prefill(query, kv_cache, meta, scale, sliding_window, out)
+        return out
+
+    @staticmethod
+    def _prefill(query, kv_cache, meta: AttentionMetadata, scale, sliding_window, out) -> None:
+        """Sequences after the decodes, one ``scaled_dot_product_attention`` call each.
+
+        Inputs are 4-D (``[1, heads, len, D]``): PyTorch's fused CPU kernel takes only
+        those, 3-6x faster than the 3-D path here. Without cached context or window the
+        mask is plain causal (``is_causal``, the fastest case).
+        """
+        start = meta.num_decodes
+        for i in range(meta.num_decodes, meta.num_seqs):
             q_len, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
             key, value = gather_context(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
-            k_pos = torch.arange(seq_len, device=query.device)[None, :]
-            mask = context_mask(q_pos, k_pos, sliding_window)
+            mask, causal = None, False
+            if q_len == seq_len and sliding_window is None:
+                causal = True
+            else:
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+                k_pos = torch.arange(seq_len, device=query.device)[None, :]
+                mask = context_mask(q_pos, k_pos, sliding_window)
             o = F.scaled_dot_product_attention(
-                query[start : start + q_len].transpose(0, 1),  # [H, q, D]
-                key.transpose(0, 1),
-                value.transpose(0, 1),
+                query[start : start + q_len].transpose(0, 1)[None],  # [1, H, q, D]
+                key.transpose(0, 1)[None],
+                value.transpose(0, 1)[None],
                 attn_mask=mask,
+                is_causal=causal,
                 scale=scale,
                 enable_gqa=True,
             )
-            out[start : start + q_len] = o.transpose(0, 1)
+            out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
-        return out
 
     @staticmethod
     def _decode(query, kv_cache, meta: AttentionMetadata, scale, sliding_window):

@@ -21,6 +21,7 @@ from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sample.sampler import make_generator
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import encode_text
 from pagedserve.worker.kv_cache import (
     MemoryProfile,
     allocate_kv_caches,
@@ -184,7 +185,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True given)")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, encode_text(self.tokenizer, prompt)
         if not isinstance(prompt, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -213,6 +214,12 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > self.args.max_logprobs:
                 raise ValueError(f"{name} must be <= max_logprobs ({self.args.max_logprobs}), got {value}")
+        vocab = self.hf_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is out of the vocabulary [0, {vocab})")
         if params.n > self.scheduler_config.max_num_seqs:
             raise ValueError(
                 f"n must be <= max_num_seqs ({self.scheduler_config.max_num_seqs}), got {params.n}")

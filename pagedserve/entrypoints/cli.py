@@ -1,4 +1,4 @@
-"""The ``pagedserve`` command: ``serve``, ``generate``, ``chat`` (and ``bench`` later)."""
+"""pagedserve: serve an OpenAI-compatible API, generate, chat, or run benchmarks."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ BENCHMARKS = {
     "latency": "pagedserve.benchmarks.latency",
     "serve": "pagedserve.benchmarks.serve",
 }
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones and where the help text already names one."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=_HelpFormatter)
     _add_model_arg(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
@@ -50,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="log level of the HTTP server")
     EngineArgs.add_cli_args(serve)
 
-    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen = sub.add_parser("generate", help="complete one prompt and print the text",
+                         formatter_class=_HelpFormatter)
     _add_model_arg(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true",
@@ -58,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     EngineArgs.add_cli_args(gen)
 
-    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat = sub.add_parser("chat", help="interactive chat in the terminal",
+                          formatter_class=_HelpFormatter)
     _add_model_arg(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(chat)
@@ -68,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module in BENCHMARKS.items():
         mod = importlib.import_module(module)
         p = bench_sub.add_parser(name, help=mod.__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=_HelpFormatter)
         mod.add_cli_args(p)
         p.set_defaults(bench_main=mod.main)
     return parser

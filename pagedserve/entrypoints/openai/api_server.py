@@ -48,6 +48,7 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from pagedserve.entrypoints.openai.serving_engine import APIError, ServingContext
 from pagedserve.metrics import PrometheusStatLogger
 from pagedserve.models.loader import DEFAULT_MODEL
+from pagedserve.tokenizer import encode_text
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -222,9 +223,11 @@ def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = No
                                           body.add_generation_prompt,
                                           body.continue_final_message, body.chat_template_kwargs)
         else:
-            ids = await ctx.run_tokenizer(
-                lambda: list(ctx.tokenizer.encode(body.prompt,
-                                                  add_special_tokens=body.add_special_tokens)))
+            try:
+                ids = await ctx.run_tokenizer(encode_text, ctx.tokenizer, body.prompt,
+                                              body.add_special_tokens)
+            except ValueError as err:
+                raise APIError(400, str(err), param="prompt") from err
         strs = None
         if body.return_token_strs:
             strs = await ctx.run_tokenizer(ctx.tokenizer.convert_ids_to_tokens, ids)
