@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterable
@@ -61,6 +62,7 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(resolve_model_path(args.tokenizer) if args.tokenizer
                                             else self.model_path)
         self.eos_token_id = self._eos_token_id()
+        self.extra_eos_token_ids = self._extra_eos_token_ids()
         self.max_model_len = args.max_model_len or self.hf_config.max_position_embeddings
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -135,6 +137,18 @@ class LLMEngine:
         eos = getattr(self.hf_config, "eos_token_id", None)
         return eos[0] if isinstance(eos, list) else eos
 
+    def _extra_eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids that ``generation_config.json`` lists besides the main one
+        (Llama 3 and Qwen2.5 chat models end turns with them). As vLLM does, requests
+        stop on them unless ``ignore_eos``."""
+        path = self.model_path / "generation_config.json"
+        if not path.is_file():
+            return []
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        return [t for t in ids if t != self.eos_token_id]
+
     def _load_model(self) -> torch.nn.Module:
         cls = get_model_class(self.hf_config)
         backend = get_attention_backend(self.args.attention_backend, self.device)
@@ -159,6 +173,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         params = self._check_params(token_ids, params)
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            params = replace(params, stop_token_ids=[
+                *params.stop_token_ids,
+                *(t for t in self.extra_eos_token_ids if t not in params.stop_token_ids)])
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
