@@ -19,21 +19,11 @@ import torch
 
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.torch_attn import TorchAttention
+from pagedserve.config import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return ""
 
 
 @functools.cache
@@ -42,7 +32,8 @@ def load_extension():
     toolchain is missing."""
     from torch.utils.cpp_extension import load
 
-    key = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+    flags = " ".join(sorted(cpu_flags())).encode()
+    key = hashlib.sha256(_SOURCE.read_bytes() + flags).hexdigest()[:12]
     return load(
         name=f"pagedserve_cpu_attn_{key}",
         sources=[str(_SOURCE)],
