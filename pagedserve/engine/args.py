@@ -38,7 +38,8 @@ class EngineArgs:
                             help="tokenizer path if not the model's own")
         parser.add_argument("--dtype", default=d.dtype,
                             choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
-                            help="compute and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+                            help="compute and KV cache dtype (auto: bfloat16 on CUDA and on CPUs "
+                                 "with native bf16 (AVX512-BF16, AMX), else float32)")
         parser.add_argument("--device", default=d.device, help="auto, cpu or cuda")
         parser.add_argument("--seed", type=int, default=d.seed,
                             help="seed of the random generator for unseeded sampling")
