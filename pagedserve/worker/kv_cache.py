@@ -35,12 +35,14 @@ def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
     return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def _meminfo(field: str) -> int:
-    with open("/proc/meminfo") as f:
+def _proc_bytes(path: str, field: str) -> int:
+    """A ``Field:  N kB`` line of a /proc file (``/proc/meminfo``, ``/proc/self/status``)
+    in bytes."""
+    with open(path) as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not found in /proc/meminfo")
+    raise RuntimeError(f"{field} not found in {path}")
 
 
 def _cgroup_limit() -> tuple[int, int] | None:
@@ -57,24 +59,16 @@ def _cgroup_limit() -> tuple[int, int] | None:
 
 def total_memory_bytes() -> int:
     """The machine's RAM (``MemTotal``), or the cgroup limit where one is lower."""
-    total = _meminfo("MemTotal")
+    total = _proc_bytes("/proc/meminfo", "MemTotal")
     cgroup = _cgroup_limit()
     return min(total, cgroup[0]) if cgroup else total
 
 
 def available_memory_bytes() -> int:
     """``MemAvailable``, lowered to what the cgroup limit leaves where one is set."""
-    avail = _meminfo("MemAvailable")
+    avail = _proc_bytes("/proc/meminfo", "MemAvailable")
     cgroup = _cgroup_limit()
     return min(avail, cgroup[0] - cgroup[1]) if cgroup else avail
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
 def measure_cpu_peak(fn) -> int:
@@ -84,14 +78,14 @@ def measure_cpu_peak(fn) -> int:
     ``/proc/self/clear_refs`` (Linux >= 4.0, proc(5)); where that is refused, the mark
     from earlier in the process stands and the result can only be larger (safe).
     """
-    base = _status_bytes("VmRSS")
+    base = _proc_bytes("/proc/self/status", "VmRSS")
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         logger.warning("cannot reset VmHWM; the activation peak may be overestimated")
     fn()
-    return max(_status_bytes("VmHWM") - base, 0)
+    return max(_proc_bytes("/proc/self/status", "VmHWM") - base, 0)
 
 
 @dataclass(frozen=True)
