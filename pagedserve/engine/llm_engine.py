@@ -279,19 +279,10 @@ class LLMEngine:
             raise
         self.scheduler.update_from_output(sched, out.sampled)
         forked = [child for children in sched.forks.values() for child in children]
-        outputs, stopped = self.output_processor.process(sched.requests + forked, out)
-        if stopped:
-            self.scheduler.finish_requests([r.request_id for r in stopped],
-                                           RequestStatus.FINISHED_STOPPED)
-            # The stop changed their status after their outputs were made: remake them.
-            outputs = self._remake(outputs, stopped)
-        return outputs
-
-    def _remake(self, outputs: list[RequestOutput], stopped: list[Request]) -> list[RequestOutput]:
-        ids = {self.output_processor.sample_to_parent[r.request_id].request_id for r in stopped}
-        parents = {rid: self.output_processor.parents[rid] for rid in ids}
-        return [self.output_processor.make_output(parents[o.request_id])
-                if o.request_id in parents else o for o in outputs]
+        touched, stopped = self.output_processor.process(sched.requests + forked, out)
+        self.scheduler.finish_requests([r.request_id for r in stopped],
+                                       RequestStatus.FINISHED_STOPPED)
+        return [self.output_processor.make_output(parent) for parent in touched]
 
     def kv_cache_stats(self) -> KVCacheStats:
         num_tokens = sum(r.num_computed_tokens for r in self.scheduler.running)

@@ -78,11 +78,11 @@ class OutputProcessor:
                 parent.metrics.first_scheduled_time = now
 
     def process(self, requests: list[Request], out: ModelRunnerOutput
-                ) -> tuple[list[RequestOutput], list[Request]]:
+                ) -> tuple[list[ParentState], list[Request]]:
         """Update the samples that produced a token this step.
 
-        Returns the outputs of the touched requests, and the samples a stop string ended
-        (the caller finishes them in the scheduler).
+        Returns the touched requests, and the samples a stop string ended: the caller
+        finishes those in the scheduler, then makes the outputs (``make_output``).
         """
         now = time.monotonic()
         touched: dict[str, ParentState] = {}
@@ -108,7 +108,7 @@ class OutputProcessor:
                     request.stop_reason = stop
                     stopped.append(request)
             touched[parent.request_id] = parent
-        return [self.make_output(p) for p in touched.values()], stopped
+        return list(touched.values()), stopped
 
     @staticmethod
     def _index(parent: ParentState, request: Request) -> int:
