@@ -27,11 +27,13 @@ from pagedserve.worker.kv_cache import (
     MemoryProfile,
     allocate_kv_caches,
     bytes_per_block,
+    cpu_default_kv_budget,
     cpu_kv_budget,
     cuda_kv_budget,
     measure_cpu_peak,
     measure_cuda_peak,
     num_kv_blocks,
+    total_memory_bytes,
 )
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -105,8 +107,9 @@ class LLMEngine:
         )
 
     def _profile_memory(self) -> MemoryProfile:
-        """Size the KV budget: weights + the activation peak of the largest step are
-        subtracted from what the engine may use (see ``worker/kv_cache.py``)."""
+        """Size the KV budget: weights + the activation peak of the largest step (measured
+        by a profiling forward pass) are subtracted from what the engine may use; the CPU
+        default is a fixed size that needs no profiling (see ``worker/kv_cache.py``)."""
         cache, sched = self.cache_config, self.scheduler_config
         per_block = bytes_per_block(self.hf_config, cache.block_size, self.dtype)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -114,6 +117,9 @@ class LLMEngine:
             budget = cache.kv_cache_memory_bytes or cache.num_gpu_blocks_override * per_block
             source = "override" if cache.num_gpu_blocks_override else "kv_cache_memory_bytes"
             return MemoryProfile(0, weights, 0, budget, per_block, source)
+        if self.device == "cpu" and cache.gpu_memory_utilization is None:
+            return MemoryProfile(total_memory_bytes(), weights, 0, cpu_default_kv_budget(),
+                                 per_block, "cpu_default")
         tokens = sched.max_num_batched_tokens
         num_blocks = -(-tokens // cache.block_size) + -(-tokens // self.max_model_len)
         scratch = allocate_kv_caches(self.hf_config, num_blocks, cache.block_size, self.dtype,
@@ -128,7 +134,8 @@ class LLMEngine:
             total, budget, source = cuda_kv_budget(cache, peak, self.device)
         else:
             peak = measure_cpu_peak(run)
-            total, budget, source = cpu_kv_budget(cache, weights, peak)
+            total, budget = cpu_kv_budget(cache, weights, peak)
+            source = "gpu_memory_utilization"
         return MemoryProfile(total, weights, peak, budget, per_block, source)
 
     def _eos_token_id(self) -> int | None:

@@ -100,19 +100,19 @@ class MemoryProfile:
     source: str  # "override", "kv_cache_memory_bytes", "gpu_memory_utilization", "cpu_default"
 
 
-def cpu_kv_budget(cache: CacheConfig, weights: int, peak_activation: int) -> tuple[int, int, str]:
-    """``(total, kv_budget, source)`` on CPU.
-
-    With ``gpu_memory_utilization`` u the engine may use u x RAM (or the cgroup limit):
-    ``kv_budget = u * total - weights - peak_activation``. Without it, vLLM's CPU default
-    of a fixed 4 GiB (``VLLM_CPU_KVCACHE_SPACE``), capped by the memory still available
-    after the activation peak: the machine is shared.
-    """
+def cpu_kv_budget(cache: CacheConfig, weights: int, peak_activation: int) -> tuple[int, int]:
+    """``(total, kv_budget)`` on CPU with ``gpu_memory_utilization`` u: the engine may use
+    u x RAM (or the cgroup limit), so ``kv_budget = u * total - weights - peak_activation``."""
     total = total_memory_bytes()
-    if cache.gpu_memory_utilization is not None:
-        budget = int(cache.gpu_memory_utilization * total) - weights - peak_activation
-        return total, budget, "gpu_memory_utilization"
-    return total, min(DEFAULT_CPU_KV_BYTES, available_memory_bytes() - peak_activation), "cpu_default"
+    return total, int(cache.gpu_memory_utilization * total) - weights - peak_activation
+
+
+def cpu_default_kv_budget() -> int:
+    """The CPU KV budget without ``gpu_memory_utilization``: vLLM's CPU default of a fixed
+    4 GiB (``VLLM_CPU_KVCACHE_SPACE``), which, like vLLM's CPU worker, needs no profiling
+    forward pass; capped at half of ``MemAvailable`` because the machine is shared and the
+    other half is left for activations (bytes)."""
+    return min(DEFAULT_CPU_KV_BYTES, available_memory_bytes() // 2)
 
 
 def num_kv_blocks(cache: CacheConfig, per_block: int, budget: int, max_model_len: int,
