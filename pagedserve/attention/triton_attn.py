@@ -36,7 +36,9 @@ No kernel launch here reads a device tensor on the host: shapes come from the
 metadata's Python lists. What is fixed per model (head counts, head_dim, block size,
 tiles, window on/off, dtype) is a compile-time constant; what changes per step (split
 count, partition size, number of prefills) is a runtime argument, so a model compiles a
-handful of kernel variants once.
+handful of kernel variants once. A metadata's ``max_decode_seq_len`` fixes the split layout
+for CUDA graphs: partitions past a sequence's end are empty (max -inf, sum 0, acc 0) and
+weigh 0 in the reduce.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def _reduce_kernel(
     row = (seq * NUM_HEADS + head) * num_splits + s
     m = tl.load(part_m_ptr + row, mask=s_ok, other=float("-inf"))
     l = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
-    m_max = tl.max(m, 0)  # finite: split 0 always holds the last token
+    m_max = tl.max(m, 0)  # finite: split 0 is never empty (seq_len >= 1)
     w = tl.exp2(m - m_max)  # empty partitions (m = -inf) weigh 0
     acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + d[None, :], mask=s_ok[:, None],
                   other=0.0)
@@ -333,7 +335,7 @@ class TritonAttention:
         nd = meta.num_decodes
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
         tile_n = max(16, _next_pow2(min(meta.block_size, 64)))
-        longest = max(meta.seq_lens_list[:nd])
+        longest = meta.max_decode_seq_len or max(meta.seq_lens_list[:nd])
         if sliding_window is not None:
             longest = min(longest, sliding_window)
         part = self._partition_size(nd * num_kv_heads, longest, tile_n, query.device)
