@@ -67,6 +67,7 @@ class DecodeGraphs:
         self.sizes = sizes
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.device = device
         n = sizes[-1]
         width = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -96,15 +97,16 @@ class DecodeGraphs:
         eagerly, to compile its kernel variants outside the capture. Every row is padding
         meanwhile, so capturing changes no cache slot. CUDA only."""
         pool = None
-        for bs in reversed(self.sizes):
-            self._forward(bs, [1] * bs)
+        with torch.cuda.device(self.device):  # graphs capture the current device's stream
+            for bs in reversed(self.sizes):
+                self._forward(bs, [1] * bs)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bs] = self._forward(bs, [1] * bs)
+                pool = graph.pool()
+                self.graphs[bs] = graph
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self._forward(bs, [1] * bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
