@@ -36,9 +36,11 @@ No kernel launch here reads a device tensor on the host: shapes come from the
 metadata's Python lists. What is fixed per model (head counts, head_dim, block size,
 tiles, window on/off, dtype) is a compile-time constant; what changes per step (split
 count, partition size, number of prefills) is a runtime argument, so a model compiles a
-handful of kernel variants once. A metadata's ``max_decode_seq_len`` fixes the split layout
-for CUDA graphs: partitions past a sequence's end are empty (max -inf, sum 0, acc 0) and
-weigh 0 in the reduce.
+handful of kernel variants once. A metadata's ``max_decode_seq_len`` fixes the launch for
+CUDA graphs: the split count is chosen for that length, and each sequence spreads its own
+context evenly over the splits (partitions of ``cdiv(context, splits)`` tokens rounded up
+to the key tile), so a short context still uses many programs; partitions past its end are
+empty (max -inf, sum 0, acc 0) and weigh 0 in the reduce.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def _decode_kernel(
     scale_log2, window, partition_size, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_h, stride_bt,
-    NUM_HEADS: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    NUM_HEADS: tl.constexpr, SINGLE_SPLIT: tl.constexpr, PER_SEQ_PARTITION: tl.constexpr,
     GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -115,8 +117,11 @@ def _decode_kernel(
     ctx_lo = 0
     if USE_WINDOW:
         ctx_lo = tl.maximum(seq_len - window, 0)
-    start = ctx_lo + split * partition_size
-    end = tl.minimum(start + partition_size, seq_len)
+    part = partition_size
+    if PER_SEQ_PARTITION:  # this sequence's context spread evenly over the splits
+        part = tl.cdiv(tl.cdiv(seq_len - ctx_lo, num_splits), TILE_N) * TILE_N
+    start = ctx_lo + split * part
+    end = tl.minimum(start + part, seq_len)
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -268,6 +273,8 @@ class TritonAttention:
     Args:
         partition_size: context tokens per decode split (a multiple of the key tile);
             None picks it per step so that batch x kv_heads x splits fills the device.
+            With a metadata's ``max_decode_seq_len`` it sets the split count only (see
+            the module docstring).
         prefill_rows: rows of a prefill tile (query tokens x padded GQA group), a power
             of two.
     """
@@ -354,7 +361,8 @@ class TritonAttention:
             partition_size=part, num_splits=splits,
             stride_qt=query.stride(0), stride_qh=query.stride(1),
             stride_ot=out.stride(0), stride_oh=out.stride(1),
-            NUM_HEADS=num_heads, SINGLE_SPLIT=splits == 1, TILE_N=tile_n,
+            NUM_HEADS=num_heads, SINGLE_SPLIT=splits == 1,
+            PER_SEQ_PARTITION=meta.max_decode_seq_len is not None, TILE_N=tile_n,
             num_warps=4, **common,
         )
         if splits > 1:
