@@ -3,10 +3,10 @@
 # (see benchmarks/README.md for how to run it through the device tool):
 #   1. the CUDA-marked tests: Triton kernels vs the PyTorch reference (float32, bfloat16,
 #      float16), the engine on CUDA vs the CPU torch path and transformers on a tiny random
-#      Llama, CUDA memory sizing;
+#      Llama, CUDA graphs vs --enforce-eager, CUDA memory sizing;
 #   2. decode throughput of a Llama-3-8B-shaped random-weight model (--load-format dummy,
-#      bfloat16) at batch 1, 16, 64, 256 with the decode attention's HBM bandwidth
-#      (benchmarks/gpu_decode.py).
+#      bfloat16) at batch 1, 16, 64, 256, with CUDA graphs and eagerly, and the decode
+#      attention's HBM bandwidth (benchmarks/gpu_decode.py).
 # Logs and JSON go to $OUT (the device tool sets it; default /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."

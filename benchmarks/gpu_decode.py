@@ -3,7 +3,10 @@
 Writes a ``config.json`` (Llama-3-8B's shapes: 32 layers, hidden 4096, 32 query / 8 KV
 heads of 128, vocab 128256), loads it with ``load_format="dummy"`` in bfloat16 and, for
 each batch size, prefills ``batch`` random prompts, then times ``--decode-steps`` pure
-decode steps (``ignore_eos``). Throughput does not depend on the weight values.
+decode steps (``ignore_eos``) replayed from CUDA graphs and as many run eagerly (the same
+engine with its graphs set aside, which is what ``--enforce-eager`` runs), in the order
+graphs, eager, eager, graphs so that the growing context weighs on both alike.
+Throughput does not depend on the weight values.
 
 Before the engine starts, the Triton decode attention (one layer, the same shapes and
 context lengths) is timed alone, side by side with the torch backend's batched SDPA
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import pathlib
 import random
 import tempfile
@@ -82,12 +86,26 @@ def attention_bandwidth(batch: int, context: int, block_size: int = 16) -> dict:
     return row
 
 
+def _time_steps(engine, steps: int) -> float:
+    """Seconds of ``steps`` engine steps."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def decode_throughput(llm, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
-    """Prefill ``batch`` random prompts, then time ``steps`` decode steps of the engine."""
+    """Prefill ``batch`` random prompts, then time ``steps`` decode steps with CUDA graphs
+    and ``steps`` without (``graphs`` None where the engine has none for this batch)."""
     from pagedserve import SamplingParams
 
     engine = llm.engine
-    # None = up to max_model_len (prompt + steps + 128): nobody finishes while timed,
+    runner = engine.model_runner
+    captured = runner.decode_graphs
+    graphs = captured if captured is not None and batch <= captured.max_batch_size else None
+    # None = up to max_model_len (prompt + 2 x steps + 128): nobody finishes while timed,
     # even the requests that began decoding while later prompts were still prefilling.
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
@@ -104,21 +122,24 @@ def decode_throughput(llm, batch: int, prompt_len: int, steps: int, vocab: int) 
         prefill_steps += 1
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
-    for _ in range(2):  # warm-up decode steps (kernel variants for this batch)
-        engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    decode_s = time.perf_counter() - t0
+    # graphs, eager, eager, graphs: the growing context weighs on both modes alike
+    modes = ["graphs", "eager", "eager", "graphs"] if graphs is not None else ["eager", "eager"]
+    seconds = dict.fromkeys(modes, 0.0)
+    for i, mode in enumerate(modes):
+        runner.decode_graphs = graphs if mode == "graphs" else None
+        if mode not in modes[:i]:
+            _time_steps(engine, 2)  # warm-up (kernel variants for this batch)
+        seconds[mode] += _time_steps(engine, steps // 2)
+    runner.decode_graphs = captured
     engine.abort_request(ids)
-    return {
-        "batch": batch, "prefill_steps": prefill_steps,
-        "prefill_phase_tokens_per_s": batch * prompt_len / prefill_s,
-        "decode_step_ms": decode_s / steps * 1e3,
-        "decode_tokens_per_s": batch * steps / decode_s,
-    }
+    timed = steps // 2 * 2
+    row = {"batch": batch, "prefill_steps": prefill_steps,
+           "prefill_phase_tokens_per_s": batch * prompt_len / prefill_s}
+    for mode in ("graphs", "eager"):
+        row[mode] = ({"decode_step_ms": seconds[mode] / timed * 1e3,
+                      "decode_tokens_per_s": batch * timed / seconds[mode]}
+                     if mode in seconds else None)
+    return row
 
 
 def main() -> None:
@@ -137,7 +158,7 @@ def main() -> None:
           f"{props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}")
 
     # 1. decode attention alone (before the engine takes most of the memory)
-    mid_context = args.prompt_len + args.decode_steps // 2
+    mid_context = args.prompt_len + args.decode_steps  # the middle of the timed decode steps
     attn = [attention_bandwidth(b, mid_context) for b in batches]
     attn += [attention_bandwidth(b, 4096) for b in (1, 16, 64)]
     torch.cuda.empty_cache()
@@ -150,43 +171,52 @@ def main() -> None:
               f"{t['us'] if t else float('nan'):>10.1f} {t['GBps'] if t else float('nan'):>12.0f} "
               f"{p['us'] if p else float('nan'):>10.1f} {p['GBps'] if p else float('nan'):>11.0f}")
 
-    # 2. the engine, end to end
+    # 2. the engine, end to end, with CUDA graphs and eagerly
     from pagedserve import LLM
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # capture time
 
     with tempfile.TemporaryDirectory() as tmp:
         (pathlib.Path(tmp) / "config.json").write_text(json.dumps(LLAMA3_8B))
         t0 = time.perf_counter()
         llm = LLM(tmp, load_format="dummy", dtype="bfloat16", device="cuda",
-                  skip_tokenizer_init=True, max_model_len=args.prompt_len + args.decode_steps + 128,
+                  skip_tokenizer_init=True, max_model_len=args.prompt_len + 2 * args.decode_steps + 128,
                   max_num_seqs=max(batches), max_num_batched_tokens=8192,
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   enable_prefix_caching=False)
         load_s = time.perf_counter() - t0
     prof = llm.engine.memory_profile
-    backend = getattr(llm.engine.model.layers[0].self_attn.attn, "backend", None)
+    backend = llm.engine.attention_backend.name
+    graphs = llm.engine.model_runner.decode_graphs
     weights = prof.weights
     print(f"\nengine up in {load_s:.1f} s: weights {weights / 2**30:.1f} GiB, activation peak "
           f"{prof.peak_activation / 2**30:.2f} GiB, KV pool {llm.engine.num_blocks} blocks "
           f"({llm.engine.num_blocks * prof.bytes_per_block / 2**30:.1f} GiB), "
-          f"attention backend {getattr(backend, 'name', '?')}")
+          f"attention backend {backend}, CUDA graphs for decode batches "
+          f"{graphs.sizes if graphs else 'none'}")
+    print(f"\ndecode, prompt {args.prompt_len}, {args.decode_steps} timed steps per mode, bf16 "
+          "(floor: weights + KV read once at 4.3 TB/s)")
+    print(f"{'batch':>6} {'graphs tok/s':>13} {'eager tok/s':>12} {'ratio':>6} {'graphs ms':>10} "
+          f"{'eager ms':>9} {'floor ms':>9} {'prefill tok/s':>14}")
+    nan = {"decode_tokens_per_s": float("nan"), "decode_step_ms": float("nan")}
     rows = []
     for b in batches:
         r = decode_throughput(llm, b, args.prompt_len, args.decode_steps, LLAMA3_8B["vocab_size"])
-        ctx = args.prompt_len + args.decode_steps // 2
-        kv_per_step = 32 * 2 * b * ctx * 8 * 128 * 2
+        kv_per_step = 32 * 2 * b * mid_context * 8 * 128 * 2
         # memory floor of one step: every weight and every cached K/V read once
         r["roofline_step_ms_at_4.3TBps"] = (weights + kv_per_step) / 4.3e12 * 1e3
         rows.append(r)
-    print(f"\ndecode, prompt {args.prompt_len}, {args.decode_steps} timed steps, bf16")
-    print(f"{'batch':>6} {'tok/s':>10} {'step ms':>9} {'floor ms':>9} {'prefill tok/s':>14}"
-          "   (floor: weights + KV read once at 4.3 TB/s)")
-    for r in rows:
-        print(f"{r['batch']:>6} {r['decode_tokens_per_s']:>10.0f} {r['decode_step_ms']:>9.2f} "
-              f"{r['roofline_step_ms_at_4.3TBps']:>9.2f} {r['prefill_phase_tokens_per_s']:>14.0f}")
+        g, e = r["graphs"] or nan, r["eager"]
+        print(f"{b:>6} {g['decode_tokens_per_s']:>13.0f} {e['decode_tokens_per_s']:>12.0f} "
+              f"{g['decode_tokens_per_s'] / e['decode_tokens_per_s']:>6.2f} "
+              f"{g['decode_step_ms']:>10.2f} {e['decode_step_ms']:>9.2f} "
+              f"{r['roofline_step_ms_at_4.3TBps']:>9.2f} {r['prefill_phase_tokens_per_s']:>14.0f}",
+              flush=True)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(
             {"device": props.name, "torch": torch.__version__, "attention": attn,
-             "decode": rows, "weights_bytes": weights}, indent=1))
+             "decode": rows, "weights_bytes": weights,
+             "graph_sizes": graphs.sizes if graphs else []}, indent=1))
 
 
 if __name__ == "__main__":

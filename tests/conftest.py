@@ -1,4 +1,5 @@
-"""Shared fixtures: the bundled model, its Hugging Face reference, and one float32 engine."""
+"""Shared fixtures: the bundled model, its Hugging Face reference, one float32 engine, and a
+tiny random-weight Llama."""
 
 from __future__ import annotations
 
@@ -33,6 +34,27 @@ CHAT_QUESTIONS = [
 @pytest.fixture(scope="session")
 def model_path():
     return resolve_model_path(None)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer Llama (GQA 4/2 heads, head_dim 16) with random weights, and its HF model."""
+    torch.manual_seed(0)
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger weights than the default init: clearer argmax margins
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    return path, model
 
 
 @pytest.fixture(scope="session")

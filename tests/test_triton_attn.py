@@ -103,6 +103,20 @@ def test_decode_splits(device, partition_size):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("partition_size,window", [(None, None), (16, None), (16, 40)])
+@pytest.mark.parametrize("lens", [(1, 2, 5), (1, 40, 97)])
+def test_decode_fixed_split_layout(device, partition_size, window, lens):
+    """The layout CUDA graphs freeze: splits chosen for ``max_decode_seq_len`` (128)
+    whatever the actual lengths, so short sequences leave most partitions empty."""
+    query, cache, meta = make_batch([(n - 1, 1) for n in lens], 4, 2, 3, 16, device)
+    ref = ReferenceAttention().forward(query, cache, meta, 0.25, window)
+    meta.max_decode_seq_len = 128
+    out = TritonAttention(partition_size=partition_size).forward(query, cache, meta, 0.25, window)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_prefill_small_tiles_many_programs(device):
     """Small prefill tiles: many programs per sequence, spare programs between sequences
     and after the last one, a head_dim that is not a power of two."""

@@ -13,7 +13,6 @@ import torch
 CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")  # TRITON_INTERPRET=1 is set in conftest.py when there is no GPU
 
-import transformers
 from conftest import hf_greedy
 
 from pagedserve import LLM, SamplingParams
@@ -27,25 +26,6 @@ MAX_TOKENS = 6
 interpreted = pytest.mark.skipif(
     not triton_attn.INTERPRET, reason="kernels compiled for CUDA; CPU needs TRITON_INTERPRET=1")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A 2-layer Llama (GQA 4/2 heads, head_dim 16) with random weights, and its HF model."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # larger weights than the default init: clearer argmax margins
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(path)
-    return path, model
 
 
 @pytest.fixture(scope="module")

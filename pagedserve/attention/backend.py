@@ -38,6 +38,9 @@ class AttentionMetadata:
             shape decisions without a device sync.
         num_decodes: the first ``num_decodes`` sequences have exactly one new token.
         block_size: tokens per block.
+        max_decode_seq_len: an upper bound on the decodes' ``seq_lens`` that fixes the
+            decode kernels' launch shape whatever the actual lengths (CUDA graphs replay
+            one captured shape); None: the shape follows this batch's longest decode.
     """
 
     slot_mapping: torch.Tensor
@@ -48,6 +51,7 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     num_decodes: int
     block_size: int
+    max_decode_seq_len: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -36,7 +36,11 @@ No kernel launch here reads a device tensor on the host: shapes come from the
 metadata's Python lists. What is fixed per model (head counts, head_dim, block size,
 tiles, window on/off, dtype) is a compile-time constant; what changes per step (split
 count, partition size, number of prefills) is a runtime argument, so a model compiles a
-handful of kernel variants once.
+handful of kernel variants once. A metadata's ``max_decode_seq_len`` fixes the launch for
+CUDA graphs: the split count is chosen for that length, and each sequence spreads its own
+context evenly over the splits (partitions of ``cdiv(context, splits)`` tokens rounded up
+to the key tile), so a short context still uses many programs; partitions past its end are
+empty (max -inf, sum 0, acc 0) and weigh 0 in the reduce.
 """
 
 from __future__ import annotations
@@ -100,7 +104,7 @@ def _decode_kernel(
     scale_log2, window, partition_size, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_h, stride_bt,
-    NUM_HEADS: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    NUM_HEADS: tl.constexpr, SINGLE_SPLIT: tl.constexpr, PER_SEQ_PARTITION: tl.constexpr,
     GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -113,8 +117,11 @@ def _decode_kernel(
     ctx_lo = 0
     if USE_WINDOW:
         ctx_lo = tl.maximum(seq_len - window, 0)
-    start = ctx_lo + split * partition_size
-    end = tl.minimum(start + partition_size, seq_len)
+    part = partition_size
+    if PER_SEQ_PARTITION:  # this sequence's context spread evenly over the splits
+        part = tl.cdiv(tl.cdiv(seq_len - ctx_lo, num_splits), TILE_N) * TILE_N
+    start = ctx_lo + split * part
+    end = tl.minimum(start + part, seq_len)
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -172,7 +179,7 @@ def _reduce_kernel(
     row = (seq * NUM_HEADS + head) * num_splits + s
     m = tl.load(part_m_ptr + row, mask=s_ok, other=float("-inf"))
     l = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
-    m_max = tl.max(m, 0)  # finite: split 0 always holds the last token
+    m_max = tl.max(m, 0)  # finite: split 0 is never empty (seq_len >= 1)
     w = tl.exp2(m - m_max)  # empty partitions (m = -inf) weigh 0
     acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + d[None, :], mask=s_ok[:, None],
                   other=0.0)
@@ -266,6 +273,8 @@ class TritonAttention:
     Args:
         partition_size: context tokens per decode split (a multiple of the key tile);
             None picks it per step so that batch x kv_heads x splits fills the device.
+            With a metadata's ``max_decode_seq_len`` it sets the split count only (see
+            the module docstring).
         prefill_rows: rows of a prefill tile (query tokens x padded GQA group), a power
             of two.
     """
@@ -333,7 +342,7 @@ class TritonAttention:
         nd = meta.num_decodes
         num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
         tile_n = max(16, _next_pow2(min(meta.block_size, 64)))
-        longest = max(meta.seq_lens_list[:nd])
+        longest = meta.max_decode_seq_len or max(meta.seq_lens_list[:nd])
         if sliding_window is not None:
             longest = min(longest, sliding_window)
         part = self._partition_size(nd * num_kv_heads, longest, tile_n, query.device)
@@ -352,7 +361,8 @@ class TritonAttention:
             partition_size=part, num_splits=splits,
             stride_qt=query.stride(0), stride_qh=query.stride(1),
             stride_ot=out.stride(0), stride_oh=out.stride(1),
-            NUM_HEADS=num_heads, SINGLE_SPLIT=splits == 1, TILE_N=tile_n,
+            NUM_HEADS=num_heads, SINGLE_SPLIT=splits == 1,
+            PER_SEQ_PARTITION=meta.max_decode_seq_len is not None, TILE_N=tile_n,
             num_warps=4, **common,
         )
         if splits > 1:

@@ -29,6 +29,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     load_format: str = "auto"
     scheduling: str = "continuous"
+    enforce_eager: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -76,6 +77,9 @@ class EngineArgs:
                             help="continuous batching, or static batches (a baseline: a "
                                  "batch runs until its last request finishes before the "
                                  "next is admitted)")
+        parser.add_argument("--enforce-eager", action="store_true",
+                            help="always run the model eagerly: no CUDA graphs of decode steps "
+                                 "(captured on CUDA with the triton attention backend)")
         return parser
 
     @classmethod

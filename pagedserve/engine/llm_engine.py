@@ -23,6 +23,7 @@ from pagedserve.request import Request, RequestStatus
 from pagedserve.sample.sampler import make_generator
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import encode_text
+from pagedserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedserve.worker.kv_cache import (
     MemoryProfile,
     allocate_kv_caches,
@@ -81,6 +82,7 @@ class LLMEngine:
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
         )
+        self.attention_backend = get_attention_backend(args.attention_backend, self.device)
         self.model = self._load_model()
         self.model_runner = ModelRunner(self.model, args.block_size, self.device,
                                         self.hf_config.vocab_size, self.eos_token_id)
@@ -92,6 +94,7 @@ class LLMEngine:
         )
         self.model_runner.kv_caches = allocate_kv_caches(
             self.hf_config, self.num_blocks, args.block_size, self.dtype, self.device)
+        self.model_runner.decode_graphs = self._capture_decode_graphs()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, args.block_size,
                                                args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
@@ -138,6 +141,25 @@ class LLMEngine:
             source = "gpu_memory_utilization"
         return MemoryProfile(total, weights, peak, budget, per_block, source)
 
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of pure-decode steps for ``capture_sizes(max_num_seqs)``, captured
+        over the allocated KV cache; None with ``enforce_eager``, on CPU, or with an
+        attention backend other than triton (the others size their work per step)."""
+        if self.args.enforce_eager or not self.device.startswith("cuda"):
+            return None
+        if self.attention_backend.name != "triton":
+            logger.info("no CUDA graphs with the %s attention backend: decode runs eagerly",
+                        self.attention_backend.name)
+            return None
+        t0 = time.perf_counter()
+        graphs = DecodeGraphs(self.model, self.model_runner.kv_caches,
+                              capture_sizes(self.scheduler_config.max_num_seqs),
+                              self.max_model_len, self.args.block_size, self.device)
+        graphs.capture()
+        logger.info("captured CUDA graphs of decode steps for %d batch sizes (1..%d) in %.1f s",
+                    len(graphs.sizes), graphs.max_batch_size, time.perf_counter() - t0)
+        return graphs
+
     def _eos_token_id(self) -> int | None:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             return self.tokenizer.eos_token_id
@@ -158,9 +180,8 @@ class LLMEngine:
 
     def _load_model(self) -> torch.nn.Module:
         cls = get_model_class(self.hf_config)
-        backend = get_attention_backend(self.args.attention_backend, self.device)
         with torch.device(self.device):
-            model = cls(self.hf_config, backend, self.max_model_len).to(self.dtype)
+            model = cls(self.hf_config, self.attention_backend, self.max_model_len).to(self.dtype)
         if self.args.load_format == "dummy":  # vLLM's name: random weights, for benchmarks
             for param in model.parameters():
                 param.data.uniform_(-1e-3, 1e-3)

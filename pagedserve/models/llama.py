@@ -242,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
         """
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # Gemma: the scale is rounded to the weights' dtype
-            scale = torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
+            # a CPU scalar: no host-to-device copy, which CUDA graph capture forbids
+            scale = torch.tensor(self.embed_scale, dtype=hidden.dtype)
             hidden = hidden * scale
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(positions, hidden, kv_cache, meta)

@@ -4,7 +4,8 @@ Per step it builds, with no Python loop over tokens: ``input_ids`` and ``positio
 ``[num_tokens]``, ``slot_mapping`` ``[num_tokens]``, ``block_tables``
 ``[num_seqs, max_blocks]``, ``query_start_loc`` ``[num_seqs + 1]`` and ``seq_lens``
 ``[num_seqs]``. Sequences with one new token (decodes) go first so the attention backend
-can batch them. Only the rows that are sampled get logits.
+can batch them. Only the rows that are sampled get logits. A pure-decode step replays a
+CUDA graph when the engine captured them (``decode_graphs``, see ``cuda_graphs.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.request import Request
 from pagedserve.sample.sampler import Sampler, SamplingBatch
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -46,6 +48,7 @@ class ModelRunner:
                  eos_token_id: int | None) -> None:
         self.model = model
         self.kv_caches: list[torch.Tensor] = []  # set once the pool is sized
+        self.decode_graphs: DecodeGraphs | None = None  # set after the pool (CUDA graphs)
         self.block_size = block_size
         self.device = device
         self.vocab_size = vocab_size
@@ -61,7 +64,7 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare_inputs(requests, query_lens, tables)
         self._copy_blocks(sched.blocks_to_copy)
 
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._forward(input_ids, positions, meta)
 
         out = ModelRunnerOutput()
         ends = meta.query_start_loc[1:].tolist()
@@ -78,6 +81,15 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[[ends[i] - 1 for i, _ in rows]])
             self._sample([r for _, r in rows], logits, out)
         return out
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden_size]``: from a CUDA graph for a pure-decode
+        step that fits the captured sizes, else from an eager forward."""
+        graphs = self.decode_graphs
+        if graphs is not None and meta.num_decodes == meta.num_seqs <= graphs.max_batch_size:
+            return graphs.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``src`` -> block ``dst`` in every layer's K and V."""
