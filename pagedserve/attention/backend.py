@@ -98,9 +98,9 @@ def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionB
     if name == "auto":
         name = "torch"
         if str(device) == "cpu":
-            from pagedserve.attention.cpu_attn import cpu_kernel_available
+            from pagedserve.cpu_ops import cpu_ops_available
 
-            name = "cpu" if cpu_kernel_available() else "torch"
+            name = "cpu" if cpu_ops_available() else "torch"
         if str(device).startswith("cuda"):
             try:
                 _triton_backend(device)

@@ -1,4 +1,4 @@
-// Paged attention for CPU: reads K/V straight from the cache blocks through the block
+// Paged attention for CPU (torch.ops.pagedserve.paged_attention): reads K/V straight from the cache blocks through the block
 // tables (no gathered copy of the context), one work item per query row (all heads),
 // items spread over threads with at::parallel_for.
 //
@@ -136,6 +136,6 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
   });
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over KV blocks (CPU)");
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("paged_attention", &paged_attention);
 }

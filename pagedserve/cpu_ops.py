@@ -1,0 +1,52 @@
+"""Our C++ kernels for CPU (``csrc/*.cpp``), registered as ``torch.ops.pagedserve.*``.
+
+All sources build into one library with ``torch.utils.cpp_extension`` on first use (about
+a minute on two cores; ``setup.sh`` does it once), cached under torch's extensions folder
+and keyed by the sources and this CPU's instruction-set flags (they are compiled with
+``-march=native``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from pagedserve.config import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+
+
+@functools.cache
+def load_cpu_ops():
+    """Compile (first time) and load the kernels; returns ``torch.ops.pagedserve``.
+    Raises RuntimeError/OSError if the toolchain is missing."""
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(" ".join(sorted(cpu_flags())).encode())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    load(
+        name=f"pagedserve_cpu_ops_{digest.hexdigest()[:12]}",
+        sources=[str(s) for s in _SOURCES],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.pagedserve
+
+
+def cpu_ops_available() -> bool:
+    """True if the kernels build and load here (logs why not otherwise)."""
+    try:
+        load_cpu_ops()
+    except (RuntimeError, OSError, ImportError) as e:
+        logger.warning("C++ CPU kernels unavailable, using PyTorch ops: %s", e)
+        return False
+    return True
