@@ -42,11 +42,18 @@ def load_cpu_ops():
     return torch.ops.pagedserve
 
 
+@functools.cache
 def cpu_ops_available() -> bool:
-    """True if the kernels build and load here (logs why not otherwise)."""
+    """True if the kernels build and load here (logs why not otherwise, once)."""
     try:
         load_cpu_ops()
     except (RuntimeError, OSError, ImportError) as e:
         logger.warning("C++ CPU kernels unavailable, using PyTorch ops: %s", e)
         return False
     return True
+
+
+def cpu_layer_ops(x: torch.Tensor):
+    """``torch.ops.pagedserve`` for a CPU tensor when the kernels are available, else
+    None (the caller then runs its PyTorch version)."""
+    return load_cpu_ops() if x.device.type == "cpu" and cpu_ops_available() else None

@@ -15,13 +15,17 @@ from pagedserve.cpu_ops import load_cpu_ops
 
 
 class CpuAttention(TorchAttention):
-    """The C++ kernel for decodes (6x faster than gather + SDPA at batch 64 here);
-    prefills keep PyTorch's fused attention, which is faster for long query blocks."""
+    """The C++ kernel for decodes (6x faster than gather + SDPA at batch 64 here) and for
+    writing K/V into the cache; prefills keep PyTorch's fused attention, which is faster
+    for long query blocks."""
 
     name = "cpu"
 
     def __init__(self) -> None:
         self.ops = load_cpu_ops()
+
+    def write_kv(self, key, value, kv_cache, meta: AttentionMetadata) -> None:
+        self.ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
 
     def forward(self, query, kv_cache, meta: AttentionMetadata, scale, sliding_window=None):
         out = torch.empty_like(query)

@@ -12,10 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
+from pagedserve.cpu_ops import cpu_layer_ops
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019) computed in float32, as Hugging Face's LlamaRMSNorm."""
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, as Hugging Face's LlamaRMSNorm.
+    ``[..., hidden] -> [..., hidden]``; on CPU one C++ pass (``csrc/layer_ops_cpu.cpp``)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -23,6 +25,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_layer_ops(x)
+        if ops is None:
+            return self.forward_native(x)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        width = x.shape[-1]
+        ops.rms_norm(out.view(-1, width), x.reshape(-1, width), self.weight, self.eps)
+        return out
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The PyTorch version (any device; the C++ op's reference)."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -107,7 +119,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate ``q`` ``[T, H, D]`` and ``k`` ``[T, KVH, D]`` by their token positions ``[T]``."""
+        """Rotate ``q`` ``[T, H, D]`` and ``k`` ``[T, KVH, D]`` by their token positions
+        ``[T]``; on CPU in place, by one C++ pass (``csrc/layer_ops_cpu.cpp``)."""
+        ops = cpu_layer_ops(q)
+        if ops is None:
+            return self.forward_native(positions, q, k)
+        ops.rotary_embedding(positions, q, k, self.cos, self.sin, self.rotary_dim,
+                             self.interleaved)
+        return q, k
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """The PyTorch version (any device; the C++ op's reference): new tensors."""
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,167 @@
+// Per-token layer ops for CPU, each one pass over its rows instead of the 5-10 small
+// PyTorch ops (and temporaries) of the Python versions in pagedserve/models/layers.py and
+// pagedserve/attention/torch_attn.py, which they must match: at a decode step those ops
+// cost more in dispatch than in arithmetic. Names follow vLLM's custom ops.
+//
+//   rms_norm(out, x, weight, eps)            out = weight * (x / sqrt(mean(x^2) + eps))
+//   rotary_embedding(positions, q, k, cos, sin, rotary_dim, interleaved)   in place
+//   reshape_and_cache(key, value, kv_cache, slot_mapping)                  K/V -> slots
+//
+// Rounding follows the PyTorch code op by op (float32 statistics, a cast to the model
+// dtype after each elementwise op), so bfloat16/float16 results equal it too.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Rows per parallel task: a decode step's few rows stay on one thread.
+constexpr int64_t kGrain = 16;
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+
+}  // namespace
+
+namespace {
+
+template <typename scalar_t>
+void rms_norm_row(scalar_t* out, const scalar_t* x, const scalar_t* w, int64_t H, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < H; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float r = 1.f / std::sqrt(sum / H + eps);
+  for (int64_t i = 0; i < H; ++i) {
+    const float normed = static_cast<float>(round_to<scalar_t>(static_cast<float>(x[i]) * r));
+    out[i] = round_to<scalar_t>(static_cast<float>(w[i]) * normed);
+  }
+}
+
+}  // namespace
+
+// x, out [T, H] (rows may be strided, each row contiguous); weight [H].
+// HF LlamaRMSNorm: variance in float32, x * rsqrt(variance + eps) cast to the dtype,
+// then times the weight.
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "rms_norm: x and out [T, H] with contiguous rows, all of one dtype");
+  const int64_t T = x.size(0), H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        rms_norm_row(out.data_ptr<scalar_t>() + t * out.stride(0),
+                     x.data_ptr<scalar_t>() + t * x.stride(0), w, H, static_cast<float>(eps));
+    });
+  });
+}
+
+namespace {
+
+// Rotates one head of `rotary_dim` leading channels in place by (cos, sin) rows.
+// Neox ("rotate half") pairs i with i + rotary_dim/2; interleaved pairs 2i with 2i+1.
+template <typename scalar_t, typename cos_t>
+void rotate_head(scalar_t* x, const cos_t* cos, const cos_t* sin, int64_t rotary_dim,
+                 bool interleaved) {
+  const int64_t half = rotary_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+    // cos/sin are cast to the dtype first, as the PyTorch code does
+    const float ca = static_cast<float>(round_to<scalar_t>(static_cast<float>(cos[a])));
+    const float cb = static_cast<float>(round_to<scalar_t>(static_cast<float>(cos[b])));
+    const float sa = static_cast<float>(round_to<scalar_t>(static_cast<float>(sin[a])));
+    const float sb = static_cast<float>(round_to<scalar_t>(static_cast<float>(sin[b])));
+    const float xa = static_cast<float>(x[a]), xb = static_cast<float>(x[b]);
+    // out_a = x_a cos_a + (-x_b) sin_a;  out_b = x_b cos_b + x_a sin_b
+    const float ya = static_cast<float>(round_to<scalar_t>(xa * ca)) +
+                     static_cast<float>(round_to<scalar_t>(-xb * sa));
+    const float yb = static_cast<float>(round_to<scalar_t>(xb * cb)) +
+                     static_cast<float>(round_to<scalar_t>(xa * sb));
+    x[a] = round_to<scalar_t>(ya);
+    x[b] = round_to<scalar_t>(yb);
+  }
+}
+
+}  // namespace
+
+namespace {
+
+template <typename scalar_t, typename cos_t>
+void rotate_rows(const int64_t* pos, torch::Tensor& q, torch::Tensor& k, const cos_t* cos,
+                 const cos_t* sin, int64_t rotary_dim, bool interleaved) {
+  const int64_t T = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2);
+  at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const cos_t* c = cos + pos[t] * rotary_dim;
+      const cos_t* s = sin + pos[t] * rotary_dim;
+      scalar_t* qr = q.data_ptr<scalar_t>() + t * q.stride(0);
+      scalar_t* kr = k.data_ptr<scalar_t>() + t * k.stride(0);
+      for (int64_t h = 0; h < H; ++h) rotate_head(qr + h * D, c, s, rotary_dim, interleaved);
+      for (int64_t h = 0; h < KVH; ++h) rotate_head(kr + h * D, c, s, rotary_dim, interleaved);
+    }
+  });
+}
+
+}  // namespace
+
+// q [T, H, D], k [T, KVH, D] (rows may be strided, heads contiguous), rotated in place
+// at positions [T] (int64) with cos/sin caches [max_positions, rotary_dim], float32 or
+// the dtype of q (a model cast to bfloat16 casts its caches too).
+void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
+                      torch::Tensor cos, torch::Tensor sin, int64_t rotary_dim,
+                      bool interleaved) {
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  k.stride(1) == k.size(2) && k.scalar_type() == q.scalar_type(),
+              "rotary_embedding: q and k of one dtype with contiguous heads");
+  TORCH_CHECK((cos.scalar_type() == at::kFloat || cos.scalar_type() == q.scalar_type()) &&
+                  sin.scalar_type() == cos.scalar_type() && cos.is_contiguous() &&
+                  sin.is_contiguous() && positions.scalar_type() == at::kLong,
+              "rotary_embedding: contiguous cos/sin (float32 or q's dtype), int64 positions");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
+    if (cos.scalar_type() == at::kFloat)
+      rotate_rows<scalar_t, float>(pos, q, k, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                   rotary_dim, interleaved);
+    else
+      rotate_rows<scalar_t, scalar_t>(pos, q, k, cos.data_ptr<scalar_t>(),
+                                      sin.data_ptr<scalar_t>(), rotary_dim, interleaved);
+  });
+}
+
+// key/value [T, KVH, D] (rows may be strided) -> kv_cache [2, num_blocks, block_size,
+// KVH, D] at slot_mapping [T] (block * block_size + offset; negative slots are skipped).
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
+                       torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type() && kv_cache.is_contiguous(),
+              "reshape_and_cache: key, value and a contiguous cache of one dtype");
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  TORCH_CHECK(key.stride(1) == key.size(2) && key.stride(2) == 1 &&
+                  value.stride(1) == value.size(2) && value.stride(2) == 1 &&
+                  kv_cache.size(3) * kv_cache.size(4) == row,
+              "reshape_and_cache: contiguous heads matching the cache's [KVH, D]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t bytes = row * key.element_size();
+  char* k_base = static_cast<char*>(kv_cache.data_ptr());
+  char* v_base = k_base + kv_cache.stride(0) * kv_cache.element_size();
+  const char* k_src = static_cast<const char*>(key.data_ptr());
+  const char* v_src = static_cast<const char*>(value.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size();
+  const int64_t v_stride = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(k_base + slots[t] * bytes, k_src + t * k_stride, bytes);
+    std::memcpy(v_base + slots[t] * bytes, v_src + t * v_stride, bytes);
+  }
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("rotary_embedding", &rotary_embedding);
+  m.def("reshape_and_cache", &reshape_and_cache);
+}

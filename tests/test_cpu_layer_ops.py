@@ -1,0 +1,64 @@
+"""The C++ layer ops (``csrc/layer_ops_cpu.cpp``) against the PyTorch versions they replace."""
+
+import pytest
+import torch
+
+from pagedserve.attention.torch_attn import write_kv_slots
+from pagedserve.cpu_ops import load_cpu_ops
+from pagedserve.models.layers import RMSNorm, RotaryEmbedding
+
+OPS = load_cpu_ops()
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (37, 64), (5, 3, 128)])
+def test_rms_norm(dtype, shape):
+    norm = RMSNorm(shape[-1], 1e-5).to(dtype)
+    norm.weight.data = torch.randn(shape[-1], dtype=dtype)
+    x = torch.randn(*shape, dtype=dtype) * 3
+    out = norm(x)
+    assert out.shape == x.shape and out.dtype == dtype
+    torch.testing.assert_close(out, norm.forward_native(x), **TOL[dtype])
+
+
+def test_rms_norm_strided_rows():
+    """Rows of a wider tensor (a column slice), as q/k views of the fused qkv output."""
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64)
+    wide = torch.randn(9, 200)
+    x = wide[:, 10:74]
+    torch.testing.assert_close(norm(x), norm.forward_native(x), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim,interleaved", [(64, False), (64, True), (32, True), (32, False)])
+def test_rotary_in_place_matches_native(dtype, rotary_dim, interleaved):
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 23
+    rotary = RotaryEmbedding(head_dim, rotary_dim, 4096, 10000.0, None, interleaved).to(dtype)
+    # q and k as views into one fused projection output, as in the model
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (tokens,))
+    q_ref, k_ref = rotary.forward_native(positions, q.clone(), k.clone())
+    q_out, k_out = rotary(positions, q, k)
+    assert q_out.data_ptr() == q.data_ptr()  # in place
+    torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
+    torch.testing.assert_close(k_out, k_ref, **TOL[dtype])
+
+
+def test_reshape_and_cache_matches_index_copy_and_skips_negative_slots():
+    num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 3, 8, 7
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    fused = torch.randn(tokens, 3 * kv_heads * head_dim)  # strided rows, as in the model
+    key = fused[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = fused[:, kv_heads * head_dim : 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    expected = cache.clone()
+    write_kv_slots(key, value, expected, slots)
+    OPS.reshape_and_cache(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+    before = cache.clone()
+    OPS.reshape_and_cache(key, value, cache, torch.full((tokens,), -1))
+    assert torch.equal(cache, before)
