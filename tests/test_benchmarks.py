@@ -210,6 +210,27 @@ def test_bench_throughput_command(tiny_model, tmp_path, capsys, scheduling):
         assert r["num_steps"] < sum(max(lens[i:i + 2]) for i in range(0, 6, 2))
 
 
+def test_bench_latency_command_and_flop_count(tiny_model, tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    rc = cli.main(["bench", "latency", str(tiny_model), "--batch-size", "3", "--input-len", "5",
+                   "--output-len", "4", "--num-iters-warmup", "1", "--num-iters", "2",
+                   "--output-json", str(out), *TINY])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "50% percentile latency" in printed and "GEMM rate (torch.mm 2048^3, float32)" in printed
+    r = json.loads(out.read_text())
+    assert len(r["latencies"]) == 2
+    # The tiny model by hand (hidden 64, intermediate 96, 4 heads x 16, 2 KV heads, 2 layers,
+    # vocab 256): q 64x64, k and v 64x32 each, o 64x64, gate/up 64x96 each, down 96x64.
+    linear = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 96)
+    tokens = 5 + 4 - 1  # each request feeds its prompt and all outputs but the last
+    attention = 4 * 4 * 16 * 2 * sum(range(1, tokens + 1))
+    lm_head = 2 * 64 * 256 * 4
+    flops = 3 * (2 * linear * tokens + attention + lm_head)
+    assert r["achieved_gflops"] == pytest.approx(flops / r["percentiles"]["50"] / 1e9)
+    assert r["gemm_gflops"] > 0
+
+
 def _trace_admissions(engine: LLMEngine) -> list[tuple[set[str], set[str], set[str]]]:
     """Wrap the scheduler: per step, (running before, admitted, finished so far)."""
     sched = engine.scheduler

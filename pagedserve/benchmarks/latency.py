@@ -6,9 +6,16 @@ tokens (greedy, ``ignore_eos``), and steps the engine until all finish. After
 ``--num-iters-warmup`` untimed iterations, ``--num-iters`` timed ones give the mean and
 the p10/p25/p50/p75/p90/p99 latency.
 
+It also prints the achieved FLOP rate beside this machine's GEMM rate, measured in the
+same process: the model's matmul FLOPs per iteration (2 x weight elements per token
+through the linear layers, 2 x hidden x vocab per sampled row for the LM head, and
+4 x heads x head_dim x context per token and layer for causal attention, windows
+ignored) over the median latency, against one large ``torch.mm`` (2048^3) in the
+engine's dtype.
+
 Example::
 
-    pagedserve bench latency --batch-size 8 --input-len 32 --output-len 128
+    pagedserve bench latency --batch-size 64 --input-len 32 --output-len 128
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import time
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from pagedserve.benchmarks.datasets import random_samples
@@ -57,10 +65,39 @@ def summarize(latencies: list[float]) -> dict:
             "percentiles": {str(p): float(np.percentile(arr, p)) for p in PERCENTILES}}
 
 
+def iteration_flops(engine: LLMEngine, batch_size: int, input_len: int, output_len: int) -> float:
+    """Matmul FLOPs of one iteration (see the module docstring)."""
+    model, config = engine.model, engine.hf_config
+    linear = sum(m.weight.numel() for m in model.layers.modules()
+                 if isinstance(m, torch.nn.Linear))
+    tokens = input_len + output_len - 1  # forward passes per request (the last token is not fed back)
+    heads, head_dim = config.num_attention_heads, model.layers[0].self_attn.head_dim
+    contexts = tokens * (tokens + 1) / 2  # causal: token t attends to t + 1 keys
+    attention = 4 * heads * head_dim * config.num_hidden_layers * contexts
+    lm_head = 2 * config.hidden_size * config.vocab_size * output_len
+    return batch_size * (2 * linear * tokens + attention + lm_head)
+
+
+def gemm_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of an ``n``-cubed ``torch.mm`` in ``dtype`` on the CPU (median of ``repeats``)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / float(np.median(times))
+
+
 def print_report(r: dict) -> None:
     print(f"Avg latency: {r['avg_latency']:.4f} seconds")
     for p, v in r["percentiles"].items():
         print(f"{p}% percentile latency: {v:.4f} seconds")
+    print(f"Achieved: {r['achieved_gflops']:.1f} GFLOP/s of model matmuls")
+    if "gemm_gflops" in r:
+        print(f"GEMM rate (torch.mm 2048^3, {r['dtype']}): {r['gemm_gflops']:.1f} GFLOP/s; "
+              f"achieved = {100 * r['achieved_gflops'] / r['gemm_gflops']:.0f}% of it")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -84,6 +121,11 @@ def main(args: argparse.Namespace) -> int:
         if it >= args.num_iters_warmup:
             latencies.append(seconds)
     result = summarize(latencies)
+    flops = iteration_flops(engine, args.batch_size, args.input_len, args.output_len)
+    result["achieved_gflops"] = flops / result["percentiles"]["50"] / 1e9
+    if engine.device == "cpu":
+        result["dtype"] = str(engine.dtype).removeprefix("torch.")
+        result["gemm_gflops"] = gemm_rate(engine.dtype) / 1e9
     print_report(result)
     if args.output_json:
         with open(args.output_json, "w") as f:
