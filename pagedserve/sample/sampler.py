@@ -179,7 +179,8 @@ class SamplerOutput:
 
     Attributes:
         sampled_token_ids: [B] int64.
-        sampled_logprobs: [B] float32, log-softmax of the RAW logits at the sampled token.
+        sampled_logprobs: [B] float32, log-softmax of the RAW logits at the sampled token;
+            None if no logprobs asked.
         topk_token_ids: [B, K] int64, K = max requested ``logprobs`` (None if none asked).
         topk_logprobs: [B, K] float32, raw log-softmax values of ``topk_token_ids``.
         sampled_ranks: [B] int64, 1-based rank of the sampled token in the raw
@@ -187,7 +188,7 @@ class SamplerOutput:
     """
 
     sampled_token_ids: torch.Tensor
-    sampled_logprobs: torch.Tensor
+    sampled_logprobs: torch.Tensor | None
     topk_token_ids: torch.Tensor | None
     topk_logprobs: torch.Tensor | None
     sampled_ranks: torch.Tensor | None
@@ -205,6 +206,11 @@ class Sampler:
             raise ValueError(f"logits must be [{len(batch.generators)}, {batch.vocab_size}]; "
                              f"got {list(logits.shape)}")
         raw = logits.float()
+        x = self.process_logits(raw, batch)
+        sampled = x.argmax(dim=-1) if batch.all_greedy else self._sample(x, batch)
+        if batch.max_num_logprobs is None:  # the common case: no softmax over the vocabulary
+            return SamplerOutput(sampled, None, None, None, None)
+
         lse = torch.logsumexp(raw, dim=-1)
         topk_ids = topk_lp = None
         if batch.max_num_logprobs:
@@ -213,14 +219,8 @@ class Sampler:
         elif batch.max_num_logprobs == 0:
             topk_ids = torch.empty(raw.shape[0], 0, dtype=torch.int64, device=raw.device)
             topk_lp = torch.empty(raw.shape[0], 0, dtype=torch.float32, device=raw.device)
-
-        x = self.process_logits(raw, batch)
-        sampled = x.argmax(dim=-1) if batch.all_greedy else self._sample(x, batch)
-
         sampled_raw = raw.gather(1, sampled[:, None])
-        ranks = None
-        if batch.max_num_logprobs is not None:
-            ranks = (raw >= sampled_raw).sum(dim=-1)
+        ranks = (raw >= sampled_raw).sum(dim=-1)
         return SamplerOutput(sampled, sampled_raw[:, 0] - lse, topk_ids, topk_lp, ranks)
 
     @staticmethod
