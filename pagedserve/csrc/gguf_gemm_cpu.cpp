@@ -37,7 +37,11 @@ enum GGMLType : int64_t { kQ4_1 = 3, kQ8_0 = 8 };
 inline float fp16_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof bits);
+#ifdef PAGEDSERVE_GGUF_AVX2
+  return _cvtsh_ss(bits);
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 #ifdef PAGEDSERVE_GGUF_AVX2
@@ -74,25 +78,26 @@ inline float hsum(__m256 v) {
 }
 
 // out[m * ldo] = dot(x[m * K ...], row) for m < MT: each block is dequantized once for
-// all MT rows of x. With few rows, several accumulators per row hide the FMA latency.
+// all MT rows of x. A block's four products are summed pairwise before joining the
+// accumulator, so the loop-carried chain is one add per block (not four FMAs); the
+// multiplies use the FMA ports and the adds the separate FP add ports (Zen, Intel alike).
 template <typename Format, int MT>
 void dot_row(const uint8_t* row, const float* x, int64_t K, float* out, int64_t ldo) {
-  constexpr int NA = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // accumulators per row of x
-  __m256 acc[MT][NA];
-  for (int m = 0; m < MT; ++m)
-    for (int a = 0; a < NA; ++a) acc[m][a] = _mm256_setzero_ps();
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   __m256 w[4];
   for (int64_t k = 0; k < K; k += kBlock, row += Format::kBytes) {
     Format::dequantize(row, w);
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < 4; ++j)
-        acc[m][j % NA] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + m * K + k + 8 * j),
-                                         acc[m][j % NA]);
+    for (int m = 0; m < MT; ++m) {
+      const float* xk = x + m * K + k;
+      const __m256 lo = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xk + 8),
+                                        _mm256_mul_ps(w[0], _mm256_loadu_ps(xk)));
+      const __m256 hi = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xk + 24),
+                                        _mm256_mul_ps(w[2], _mm256_loadu_ps(xk + 16)));
+      acc[m] = _mm256_add_ps(acc[m], _mm256_add_ps(lo, hi));
+    }
   }
-  for (int m = 0; m < MT; ++m) {
-    for (int a = 1; a < NA; ++a) acc[m][0] = _mm256_add_ps(acc[m][0], acc[m][a]);
-    out[m * ldo] = hsum(acc[m][0]);
-  }
+  for (int m = 0; m < MT; ++m) out[m * ldo] = hsum(acc[m]);
 }
 
 #else  // portable: dequantize a block to 32 floats, then plain dot products
