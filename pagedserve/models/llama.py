@@ -3,6 +3,8 @@ and the configurable decoder the other families build on.
 
 Layout and weight names follow Hugging Face's ``modeling_llama.py`` so checkpoints load
 directly; q/k/v and gate/up projections are fused into one matmul each at load time.
+Projections and the LM head may also hold GGUF blocks of their weights for steps of few
+tokens (``quant.py``).
 Mistral (``modeling_mistral.py``) is this class: its optional ``sliding_window`` applies to
 every layer. A family that differs overrides ``attention_options`` (biases, q/k norm,
 window, scale), ``make_rotary`` and ``make_layer``, and sets ``norm_cls``.
@@ -73,7 +75,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=options.qkv_bias)
+                               bias=options.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=options.o_bias)
         self.q_norm = self.k_norm = None
         if options.qk_norm is not None:
