@@ -28,6 +28,7 @@ class EngineArgs:
     max_logprobs: int = 20
     attention_backend: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
     scheduling: str = "continuous"
     enforce_eager: bool = False
 
@@ -72,6 +73,10 @@ class EngineArgs:
         parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
                             help="auto: read the checkpoint; dummy: random weights of the "
                                  "model's shapes (benchmarks)")
+        parser.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
+                            help="unset or gguf: GGUF Q4_1/Q8_0 weights of a .gguf model stay "
+                                 "quantized for steps of few tokens (CPU, float32; exact up to "
+                                 "summation order); none: dequantized weights only")
         parser.add_argument("--scheduling", default=d.scheduling,
                             choices=["continuous", "static"],
                             help="continuous batching, or static batches (a baseline: a "

@@ -16,7 +16,9 @@ from pagedserve.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.args import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
+from pagedserve.models.gguf_loader import iter_gguf_blocks
 from pagedserve.models.loader import iter_weights, load_config, resolve_model_path
+from pagedserve.models.quant import KERNEL_TYPES, MAX_ROWS, attach_gguf_weights, use_gguf_kernels
 from pagedserve.models.registry import get_model_class
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.request import Request, RequestStatus
@@ -180,6 +182,8 @@ class LLMEngine:
 
     def _load_model(self) -> torch.nn.Module:
         cls = get_model_class(self.hf_config)
+        gguf_kernels = use_gguf_kernels(self.args.quantization, self.model_path, self.device,
+                                        self.dtype)
         with torch.device(self.device):
             model = cls(self.hf_config, self.attention_backend, self.max_model_len).to(self.dtype)
         if self.args.load_format == "dummy":  # vLLM's name: random weights, for benchmarks
@@ -187,6 +191,10 @@ class LLMEngine:
                 param.data.uniform_(-1e-3, 1e-3)
         elif self.args.load_format == "auto":
             model.load_weights(iter_weights(self.model_path, self.dtype))
+            if gguf_kernels:
+                count = attach_gguf_weights(model, iter_gguf_blocks(self.model_path, KERNEL_TYPES))
+                logger.info("%d weights also kept as GGUF blocks for steps of <= %d tokens",
+                            count, MAX_ROWS)
         else:
             raise ValueError(f"load_format must be auto or dummy; got {self.args.load_format!r}")
         return model.eval()

@@ -1,4 +1,5 @@
-"""GGUF files: header reading, config from metadata, dequantized weights with HF names.
+"""GGUF files: header reading, config from metadata, weights with HF names (dequantized, or
+as raw blocks for the kernels of `quant.py`).
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. The header (metadata and
 tensor infos) is parsed here with `struct` because `gguf.GGUFReader` builds a numpy view
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,13 +274,7 @@ def iter_gguf_weights(path: pathlib.Path, dtype: torch.dtype) -> Iterator[tuple[
 
     Raises ValueError for unsupported architectures, quantization types or tensor names.
     """
-    header = read_header(path)
-    arch = _architecture(header, path)
-    for info in header.tensors:  # check everything before the slow part
-        check_tensor_type(info.name, info.qtype)
-        if hf_name(info.name, arch) is None and info.name != "rope_freqs.weight":
-            raise ValueError(f"{path}: unknown GGUF tensor {info.name!r} for a {arch} model")
-    config = gguf_config(path, header)
+    header, arch, config = _checked_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for info in header.tensors:
         name = hf_name(info.name, arch)
@@ -289,10 +284,50 @@ def iter_gguf_weights(path: pathlib.Path, dtype: torch.dtype) -> Iterator[tuple[
         array = dequantize(raw.reshape(quant_shape_to_byte_shape(info.shape, info.qtype)),
                            info.qtype)
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
-        if arch == "llama" and ".attn_q." in info.name:
-            tensor = unpermute_qk(tensor, config.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in info.name:
-            tensor = unpermute_qk(tensor, config.num_key_value_heads)
-        elif arch == "gemma3" and info.name.endswith("norm.weight"):
+        tensor = _hf_row_order(tensor, info.name, arch, config)
+        if arch == "gemma3" and info.name.endswith("norm.weight"):
             tensor = tensor - 1
         yield name, tensor.to(dtype).contiguous()
+
+
+def iter_gguf_blocks(path: pathlib.Path, qtypes: Iterable[GGMLQuantizationType],
+                     ) -> Iterator[tuple[str, GGMLQuantizationType, torch.Tensor]]:
+    """Yield (HF name, type, blocks) for the 2-D weights stored as one of `qtypes`, still
+    quantized: blocks is uint8 ``[rows, K / block_size * type_size]``, each row the GGUF
+    blocks of one output row, rows in HF order (llama's Q/K un-permutation is a row
+    permutation, applied to whole rows of blocks). Copied out of the file.
+
+    Raises ValueError as `iter_gguf_weights`.
+    """
+    header, arch, config = _checked_header(path)
+    qtypes = set(qtypes)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for info in header.tensors:
+        name = hf_name(info.name, arch)
+        if name is None or info.qtype not in qtypes or len(info.shape) != 2:
+            continue
+        raw = data[info.offset:info.offset + info.nbytes]
+        rows = torch.from_numpy(raw.reshape(info.shape[0], -1).copy())
+        yield name, info.qtype, _hf_row_order(rows, info.name, arch, config).contiguous()
+
+
+def _checked_header(path: pathlib.Path) -> tuple[GGUFHeader, str, PretrainedConfig]:
+    """Header, architecture and config of a file whose tensors all have supported types
+    and known names (checked before any slow work; ValueError otherwise)."""
+    header = read_header(path)
+    arch = _architecture(header, path)
+    for info in header.tensors:
+        check_tensor_type(info.name, info.qtype)
+        if hf_name(info.name, arch) is None and info.name != "rope_freqs.weight":
+            raise ValueError(f"{path}: unknown GGUF tensor {info.name!r} for a {arch} model")
+    return header, arch, gguf_config(path, header)
+
+
+def _hf_row_order(rows: torch.Tensor, gguf_name: str, arch: str,
+                  config: PretrainedConfig) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (llama only); other tensors pass unchanged."""
+    if arch == "llama" and ".attn_q." in gguf_name:
+        return unpermute_qk(rows, config.num_attention_heads)
+    if arch == "llama" and ".attn_k." in gguf_name:
+        return unpermute_qk(rows, config.num_key_value_heads)
+    return rows

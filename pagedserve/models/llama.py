@@ -3,6 +3,8 @@ and the configurable decoder the other families build on.
 
 Layout and weight names follow Hugging Face's ``modeling_llama.py`` so checkpoints load
 directly; q/k/v and gate/up projections are fused into one matmul each at load time.
+Projections and the LM head may also hold GGUF blocks of their weights for steps of few
+tokens (``quant.py``).
 Mistral (``modeling_mistral.py``) is this class: its optional ``sliding_window`` applies to
 every layer. A family that differs overrides ``attention_options`` (biases, q/k norm,
 window, scale), ``make_rotary`` and ``make_layer``, and sets ``norm_cls``.
@@ -14,12 +16,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
 from pagedserve.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, activation
 from pagedserve.models.loader import rope_scaling, rope_theta
+from pagedserve.models.quant import GGUFWeight, Linear, linear
 
 
 def head_dim_of(config) -> int:
@@ -72,9 +74,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=options.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=options.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=options.o_bias)
         self.q_norm = self.k_norm = None
         if options.qk_norm is not None:
             self.q_norm = options.qk_norm(self.head_dim, config.rms_norm_eps)
@@ -104,8 +106,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.act = activation(act)
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -202,7 +204,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # GGUF blocks of the tied head (embed_tokens.weight); see quant.attach_gguf_weights
+        self.tied_lm_head_quant: GGUFWeight | None = None
 
     # -- what families override ---------------------------------------------------------
 
@@ -252,8 +256,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``
         (soft-capped ``cap * tanh(logits / cap)`` where the model configures it)."""
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        if self.tie_word_embeddings:
+            logits = linear(hidden, self.embed_tokens.weight, quant=self.tied_lm_head_quant)
+        else:
+            logits = self.lm_head(hidden)
         if self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -291,6 +297,15 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+    @staticmethod
+    def checkpoint_names(module_name: str) -> list[str]:
+        """The checkpoint modules one of ours is made of, in row order:
+        ``layers.0.self_attn.qkv_proj`` -> ``layers.0.self_attn.{q,k,v}_proj``,
+        ``...mlp.gate_up_proj`` -> ``...mlp.{gate,up}_proj``; others -> themselves."""
+        *parent, leaf = module_name.split(".")
+        shards = sorted((index, hf) for hf, (ours, index) in _FUSED.items() if ours == leaf)
+        return [".".join([*parent, hf]) for _, hf in shards] or [module_name]
 
     def _shard(self, name: str, param: torch.Tensor, index: int) -> torch.Tensor:
         if "qkv_proj" in name:

@@ -1,0 +1,121 @@
+"""GGUF-quantized linear layers on CPU: weights stored as Q4_1 or Q8_0 keep their GGUF
+blocks, and steps with few tokens multiply by the blocks directly
+(``torch.ops.pagedserve.ggml_mul_mat``, ``csrc/gguf_gemm_cpu.cpp``), as vLLM's GGUF support
+does (``vllm/model_executor/layers/quantization/gguf.py``).
+
+Why: at batch 1 a decode step is bound by reading the weights, and the blocks are 3.2x
+(Q8_0) to 6.4x (Q4_1) smaller than float32. The kernel's weights are exactly
+``gguf.quants.dequantize``'s, so results equal the float32 path up to summation order.
+Steps of more than ``MAX_ROWS`` tokens (prefill, large batches) run MKL on the float32
+weights, which layers keep as well.
+
+On by default for GGUF models on CPU in float32 (``--quantization`` unset or ``gguf``);
+``--quantization none`` computes from dequantized float32 weights only.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# The block types the kernel reads.
+KERNEL_TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+# Most rows of x computed from the blocks; above it MKL on float32 weights is as fast or
+# faster on an AVX2 Zen 3 (measured at M = 1..32 on SmolLM2's shapes).
+MAX_ROWS = 16
+QUANTIZATION_CHOICES = ("gguf", "none")
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A weight ``[N, K]`` as GGUF blocks: ``qweight`` uint8 ``[N, K / 32 * type_size]``
+    (row n = the blocks of output row n), ``qtype`` one of ``KERNEL_TYPES``."""
+
+    qweight: torch.Tensor
+    qtype: GGMLQuantizationType
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           quant: GGUFWeight | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, ``[..., K] -> [..., N]``, computed from ``quant`` (the
+    same weight as GGUF blocks) when x has at most ``MAX_ROWS`` rows."""
+    rows = x.numel() // x.shape[-1]
+    if quant is None or rows > MAX_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.ops.pagedserve.ggml_mul_mat(quant.qweight, x.reshape(rows, -1), int(quant.qtype))
+    out = out.view(*x.shape[:-1], -1)
+    return out if bias is None else out + bias
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that computes small batches from ``quant`` (GGUF blocks of its weight,
+    set by ``attach_gguf_weights``) when it is set; see ``linear``."""
+
+    quant: GGUFWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.quant)
+
+
+def use_gguf_kernels(quantization: str | None, model_path: pathlib.Path, device: str,
+                     dtype: torch.dtype) -> bool:
+    """Whether to attach GGUF blocks: for a .gguf model unless ``quantization`` is "none",
+    and only on CPU in float32 where the C++ kernels build.
+
+    Raises ValueError for a ``quantization`` not in (None, *QUANTIZATION_CHOICES), or
+    "gguf" for a model that is not a GGUF file.
+    """
+    if quantization not in (None, *QUANTIZATION_CHOICES):
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} or "
+                         f"unset; got {quantization!r}")
+    is_gguf = pathlib.Path(model_path).suffix.lower() == ".gguf"
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError(f"quantization 'gguf' needs a .gguf model; got {str(model_path)!r}")
+    if quantization == "none" or not is_gguf:
+        return False
+    if device != "cpu" or dtype != torch.float32:
+        logger.info("GGUF kernels run on CPU in float32 only: %s %s uses dequantized weights",
+                    device, dtype)
+        return False
+    from pagedserve.cpu_ops import cpu_ops_available
+
+    return cpu_ops_available()
+
+
+def attach_gguf_weights(model: nn.Module,
+                        blocks: Iterable[tuple[str, GGMLQuantizationType, torch.Tensor]]) -> int:
+    """Give each ``Linear`` of ``model``, and its tied LM head, the GGUF blocks of its weight.
+
+    ``blocks`` holds (HF name, type, rows) as ``gguf_loader.iter_gguf_blocks`` yields them.
+    A fused layer (qkv_proj, gate_up_proj) gets its checkpoint tensors' rows concatenated in
+    ``model.checkpoint_names`` order, only if all are there with one type. Returns the number
+    of weights attached.
+    """
+    found = {name.removeprefix("model.").removesuffix(".weight"): (qtype, rows)
+             for name, qtype, rows in blocks}
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            module.quant = _concat_rows(found, model.checkpoint_names(name))
+            count += module.quant is not None
+    if model.tie_word_embeddings:
+        model.tied_lm_head_quant = _concat_rows(found, ["embed_tokens"])
+        count += model.tied_lm_head_quant is not None
+    return count
+
+
+def _concat_rows(found: dict[str, tuple[GGMLQuantizationType, torch.Tensor]],
+                 names: list[str]) -> GGUFWeight | None:
+    parts = [found.get(n) for n in names]
+    if any(p is None for p in parts) or len({qtype for qtype, _ in parts}) != 1:
+        return None
+    return GGUFWeight(torch.cat([rows for _, rows in parts]), parts[0][0])

@@ -1,0 +1,148 @@
+"""GGUF Q4_1/Q8_0 kernels (torch.ops.pagedserve.ggml_mul_mat) and their use by the model:
+the kernel against F.linear on weights dequantized by gguf-py, the blocks the loader keeps
+against the dequantized weights, and the engine's greedy tokens against the float32 path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
+from pagedserve.models.gguf_loader import iter_gguf_blocks, iter_gguf_weights
+from pagedserve.models.quant import (
+    KERNEL_TYPES,
+    MAX_ROWS,
+    GGUFWeight,
+    Linear,
+    linear,
+    use_gguf_kernels,
+)
+
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU kernels unavailable")
+
+
+def random_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random GGUF blocks uint8 [n, k / 32 * type_size]: random fp16 scales (and Q4_1 mins)
+    of either sign, random quants."""
+    num, (block, size) = n * k // 32, GGML_QUANT_SIZES[qtype]
+    scale = rng.uniform(-0.05, 0.05, (num, 1)).astype(np.float16).view(np.uint8)
+    parts = [scale]
+    if qtype == Q.Q4_1:
+        parts.append(rng.uniform(-0.5, 0.5, (num, 1)).astype(np.float16).view(np.uint8))
+    parts.append(rng.integers(0, 256, (num, size - 2 * len(parts)), dtype=np.uint8))
+    return np.concatenate(parts, axis=1).reshape(n, k // block * size)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+@pytest.mark.parametrize("n, k", [(1, 32), (37, 96), (200, 576), (67, 1536)])
+def test_kernel_matches_dequantized_linear(qtype, n, k):
+    rng = np.random.default_rng(n * k)
+    blocks = random_blocks(qtype, n, k, rng)
+    weight = torch.from_numpy(dequantize(blocks, qtype).copy())  # gguf-py: the reference
+    ops = load_cpu_ops()
+    for m in (1, 2, 3, 5, 8, 9, 16, 19):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        out = ops.ggml_mul_mat(torch.from_numpy(blocks), x, int(qtype))
+        exact = F.linear(x.double(), weight.double())
+        assert out.shape == (m, n) and out.dtype == torch.float32
+        # float32 summation-order rounding only: no worse than MKL's own float32 result
+        assert rel_err(out, exact) < max(4 * rel_err(F.linear(x, weight), exact), 2e-6)
+
+
+def test_kernel_rejects_bad_inputs():
+    ops = load_cpu_ops()
+    blocks = torch.from_numpy(random_blocks(Q.Q8_0, 4, 64, np.random.default_rng(0)))
+    with pytest.raises(RuntimeError, match="qweight_type"):
+        ops.ggml_mul_mat(blocks, torch.randn(1, 64), int(Q.Q4_0))
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.ggml_mul_mat(blocks, torch.randn(1, 96), int(Q.Q8_0))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.ggml_mul_mat(blocks, torch.randn(1, 64, dtype=torch.float64), int(Q.Q8_0))
+
+
+def test_linear_uses_blocks_up_to_max_rows_only():
+    """With a float weight of zeros, only the rows computed from the blocks are non-zero."""
+    rng = np.random.default_rng(1)
+    quant = GGUFWeight(torch.from_numpy(random_blocks(Q.Q4_1, 40, 64, rng)), Q.Q4_1)
+    layer = Linear(64, 40, bias=True)
+    torch.nn.init.zeros_(layer.weight)
+    layer.quant = quant
+    expected = F.linear(torch.ones(1, 64), torch.from_numpy(dequantize(quant.qweight.numpy(),
+                                                                        Q.Q4_1).copy()))
+    with torch.no_grad():
+        small = layer(torch.ones(MAX_ROWS, 64))
+        large = layer(torch.ones(MAX_ROWS + 1, 64))
+    torch.testing.assert_close(small, (expected + layer.bias).expand(MAX_ROWS, -1))
+    torch.testing.assert_close(large, layer.bias.expand(MAX_ROWS + 1, -1))
+    assert linear(torch.ones(2, 3, 64), layer.weight, None, quant).shape == (2, 3, 40)
+
+
+def test_use_gguf_kernels_choices(model_path, tmp_path):
+    assert use_gguf_kernels(None, model_path, "cpu", torch.float32)
+    assert use_gguf_kernels("gguf", model_path, "cpu", torch.float32)
+    assert not use_gguf_kernels("none", model_path, "cpu", torch.float32)
+    assert not use_gguf_kernels(None, model_path, "cpu", torch.bfloat16)
+    assert not use_gguf_kernels(None, model_path, "cuda", torch.float32)
+    assert not use_gguf_kernels(None, tmp_path, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="quantization"):
+        use_gguf_kernels("awq", model_path, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="gguf"):
+        use_gguf_kernels("gguf", tmp_path, "cpu", torch.float32)
+
+
+def test_loader_blocks_dequantize_to_loaded_weights(model_path):
+    """Blocks in HF row order (q/k un-permuted) dequantize to the weights iter_gguf_weights
+    yields."""
+    wanted = {"model.embed_tokens.weight"} | {
+        f"model.layers.1.{m}.weight" for m in ("self_attn.q_proj", "self_attn.k_proj",
+                                               "self_attn.v_proj", "mlp.down_proj")}
+    blocks = {name: (qtype, rows) for name, qtype, rows in iter_gguf_blocks(model_path,
+                                                                            KERNEL_TYPES)}
+    assert len(blocks) == 30 * 7 + 1  # every linear weight (Q4_1) and token_embd (Q8_0)
+    assert blocks["model.embed_tokens.weight"][0] == Q.Q8_0
+    for name, weight in iter_gguf_weights(model_path, torch.float32):
+        if name in wanted:
+            qtype, rows = blocks[name]
+            torch.testing.assert_close(torch.from_numpy(dequantize(rows.numpy(), qtype)), weight,
+                                       rtol=0, atol=0)
+
+
+def test_model_layers_carry_their_blocks(llm):
+    """Every Linear (fused q/k/v and gate/up included) and the tied head computes, from its
+    blocks, what F.linear computes from its float32 weight."""
+    model = llm.engine.model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(layers) == 4 * 30 and all(m.quant is not None for m in layers)
+    heads = [(m.weight, m.quant) for m in layers[:4]]
+    heads.append((model.embed_tokens.weight, model.tied_lm_head_quant))
+    ops = load_cpu_ops()
+    for weight, quant in heads:
+        weight = weight.detach()
+        x = torch.randn(3, weight.shape[1])
+        out = ops.ggml_mul_mat(quant.qweight, x, int(quant.qtype))
+        assert rel_err(out, F.linear(x.double(), weight.double())) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def llm_fp32():
+    return LLM(dtype="float32", quantization="none", max_model_len=1024,
+               kv_cache_memory_bytes=256 << 20)
+
+
+def test_quantized_greedy_equals_float32_path(llm, llm_fp32, chat_prompts):
+    assert llm_fp32.engine.model.tied_lm_head_quant is None
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for prompt in chat_prompts[:3]:
+        ours, ref = (e.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+                     for e in (llm, llm_fp32))
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
