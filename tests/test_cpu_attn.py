@@ -41,6 +41,8 @@ CASES = [
     ([1, 1, 9], [50, 3, 21], 4, 4, 32, 4, 8),  # MHA, tiny blocks, sliding window
     ([1] * 6, [1, 2, 15, 16, 17, 100], 6, 2, 16, 8, None),  # decode only, ragged
     ([7, 3], [0, 13], 8, 1, 32, 16, 5),  # prefill only, MQA, window
+    ([1], [37], 9, 3, 64, 16, None),  # a lone decode: the kernel splits it by KV head
+    ([1], [50], 4, 2, 32, 4, 8),  # ... with a window
 ]
 
 
@@ -48,9 +50,18 @@ def rel_err(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@pytest.fixture
+def two_threads():
+    """More threads than a lone decode has rows: the kernel's split-by-KV-head path."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("backend", [CpuAttention, TorchAttention])
-def test_backend_matches_reference(case, backend):
+def test_backend_matches_reference(case, backend, two_threads):
     q_lens, contexts, heads, kv_heads, head_dim, bs, window = case
     query, kv_cache, meta = make_batch(q_lens, contexts, heads, kv_heads, head_dim, bs)
     ref = ReferenceAttention().forward(query, kv_cache, meta, head_dim**-0.5, window)

@@ -1,6 +1,7 @@
 // Paged attention for CPU (torch.ops.pagedserve.paged_attention): reads K/V straight from the cache blocks through the block
-// tables (no gathered copy of the context), one work item per query row (all heads),
-// items spread over threads with at::parallel_for.
+// tables (no gathered copy of the context), one work item per query row (all heads; per
+// KV head when there are fewer rows than threads), spread over threads with
+// at::parallel_for.
 //
 // Layouts (see pagedserve/attention/backend.py):
 //   query       [num_tokens, num_heads, head_dim]
@@ -30,17 +31,17 @@ template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
 template <typename scalar_t>
-void attend_row(const scalar_t* q,  // [num_heads, D] one query row, all heads
-                const scalar_t* k_base, const scalar_t* v_base,
+void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, these heads
+                const scalar_t* k_base, const scalar_t* v_base,  // at the first KV head
                 const int64_t* table, int64_t lo, int64_t hi,  // keys [lo, hi)
-                int64_t block_size, int64_t kv_heads, int64_t group, int64_t D,
-                float scale, scalar_t* out) {
-  // A tile's K and V rows (all KV heads of a token, contiguous) are read once, in order,
+                int64_t block_size, int64_t token_stride, int64_t kv_heads, int64_t group,
+                int64_t D, float scale, scalar_t* out) {
+  // A tile's K and V rows (these KV heads of a token, contiguous) are read once, in order,
   // and each KV head serves the `group` query heads that share it (GQA).
-  const int64_t num_heads = kv_heads * group, token_stride = kv_heads * D;
+  const int64_t num_heads = kv_heads * group, row_size = kv_heads * D;
   std::vector<float> qf(num_heads * D), acc(num_heads * D, 0.f);
   std::vector<float> m(num_heads, -INFINITY), l(num_heads, 0.f);
-  std::vector<float> scores(num_heads * block_size), row(token_stride);
+  std::vector<float> scores(num_heads * block_size), row(row_size);
   for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = to_float(q[i]) * scale;
 
   for (int64_t tile = lo - lo % block_size; tile < hi; tile += block_size) {
@@ -50,7 +51,7 @@ void attend_row(const scalar_t* q,  // [num_heads, D] one query row, all heads
     const scalar_t* k_blk = k_base + (block * block_size + start - tile) * token_stride;
     const scalar_t* v_blk = v_base + (block * block_size + start - tile) * token_stride;
     for (int64_t j = 0; j < n; ++j) {
-      for (int64_t c = 0; c < token_stride; ++c) row[c] = to_float(k_blk[j * token_stride + c]);
+      for (int64_t c = 0; c < row_size; ++c) row[c] = to_float(k_blk[j * token_stride + c]);
       for (int64_t h = 0; h < num_heads; ++h) {
         const float* qh = qf.data() + h * D;
         const float* kh = row.data() + (h / group) * D;
@@ -77,7 +78,7 @@ void attend_row(const scalar_t* q,  // [num_heads, D] one query row, all heads
       }
     }
     for (int64_t j = 0; j < n; ++j) {
-      for (int64_t c = 0; c < token_stride; ++c) row[c] = to_float(v_blk[j * token_stride + c]);
+      for (int64_t c = 0; c < row_size; ++c) row[c] = to_float(v_blk[j * token_stride + c]);
       for (int64_t h = 0; h < num_heads; ++h) {
         const float p = scores[h * block_size + j];
         const float* vh = row.data() + (h / group) * D;
@@ -122,15 +123,19 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
     const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
     const scalar_t* v_base = k_base + kv_cache.stride(0);
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, num_tokens, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t s = token_seq[t];
+    // Fewer rows than threads (a lone decode): split each row by KV head so all work.
+    const int64_t parts = num_tokens < at::get_num_threads() ? kv_heads : 1;
+    const int64_t part_heads = kv_heads / parts;
+    at::parallel_for(0, num_tokens * parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t t = item / parts, g = item % parts * part_heads, s = token_seq[t];
         const int64_t q_len = starts[s + 1] - starts[s];
         const int64_t pos = lens[s] - q_len + (t - starts[s]);
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        attend_row<scalar_t>(q + t * num_heads * D, k_base, v_base, tables + s * max_blocks,
-                             lo, pos + 1, block_size, kv_heads, group, D,
-                             static_cast<float>(scale), o + t * num_heads * D);
+        const int64_t head = t * num_heads + g * group;
+        attend_row<scalar_t>(q + head * D, k_base + g * D, v_base + g * D,
+                             tables + s * max_blocks, lo, pos + 1, block_size, kv_heads * D,
+                             part_heads, group, D, static_cast<float>(scale), o + head * D);
       }
     });
   });
