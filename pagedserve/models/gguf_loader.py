@@ -9,7 +9,9 @@ the `gguf` package.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import pathlib
 import struct
 from collections.abc import Iterable, Iterator
@@ -111,8 +113,17 @@ class _Cursor:
 def read_header(path: pathlib.Path) -> GGUFHeader:
     """Parse the metadata and tensor infos of a GGUF v2/v3 little-endian file (~0.1 s).
 
-    Raises ValueError if the file is not GGUF, is big-endian or has an unsupported version.
+    The loader reads it for the config, the weights and the GGUF blocks: it is parsed once
+    per file version (cached by path, size and modification time), so treat it as
+    read-only. Raises ValueError if the file is not GGUF, is big-endian or has an
+    unsupported version.
     """
+    stat = os.stat(path)
+    return _read_header(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header(path: str, size: int, mtime_ns: int) -> GGUFHeader:
     with open(path, "rb") as f:
         head = f.read(24)
         if len(head) < 24 or struct.unpack_from("<I", head)[0] != GGUF_MAGIC:
