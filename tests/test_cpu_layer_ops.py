@@ -8,7 +8,7 @@ from pagedserve.cpu_ops import load_cpu_ops
 from pagedserve.models.layers import RMSNorm, RotaryEmbedding
 
 OPS = load_cpu_ops()
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
