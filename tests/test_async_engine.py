@@ -216,3 +216,40 @@ def test_metrics_follow_requests(engine):
     assert ('vllm:request_success_total{engine="0",finished_reason="length",'
             'model_name="fake"} 1.0') in text
     assert 'vllm:num_requests_running{engine="0",model_name="fake"} 0.0' in text
+
+
+def test_from_engine_args_builds_and_steps_on_one_thread(monkeypatch):
+    """Model loading and stepping share the engine thread (one OpenMP pool; see
+    ``AsyncLLM.from_engine_args``), and the caller gets the started engine back."""
+    built_on = []
+
+    def build(args):
+        built_on.append(threading.get_ident())
+        return FakeEngine()
+
+    monkeypatch.setattr("pagedserve.engine.async_engine.LLMEngine", build)
+    llm = AsyncLLM.from_engine_args(object())
+    try:
+        assert llm.is_running
+        out = run(_last(llm.generate("p", SamplingParams(max_tokens=2), "r1")))
+        assert out.outputs[0].text == "t0t1"
+        assert built_on == [llm._thread.ident] != [threading.get_ident()]
+        assert llm.engine.thread_ids == {llm._thread.ident}
+    finally:
+        llm.shutdown()
+
+
+def test_from_engine_args_reraises_build_errors(monkeypatch):
+    def build(args):
+        raise FileNotFoundError("no model at /nowhere")
+
+    monkeypatch.setattr("pagedserve.engine.async_engine.LLMEngine", build)
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        AsyncLLM.from_engine_args(object())
+
+
+async def _last(stream):
+    out = None
+    async for out in stream:
+        pass
+    return out
