@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
+from pagedserve.models import quant as quant_module
 from pagedserve.models.gguf_loader import iter_gguf_blocks, iter_gguf_weights
 from pagedserve.models.quant import (
     KERNEL_TYPES,
@@ -85,6 +86,22 @@ def test_linear_uses_blocks_up_to_max_rows_only():
     torch.testing.assert_close(small, (expected + layer.bias).expand(MAX_ROWS, -1))
     torch.testing.assert_close(large, layer.bias.expand(MAX_ROWS + 1, -1))
     assert linear(torch.ones(2, 3, 64), layer.weight, None, quant).shape == (2, 3, 40)
+
+
+def test_wide_weights_multiply_in_column_slices(monkeypatch):
+    """Slices of 16 output columns (16 + 16 + 8) fill every column of the product, bias
+    added, leading dimensions kept; with autograd on, plain F.linear keeps gradients."""
+    monkeypatch.setattr(quant_module, "COLUMN_CHUNK", 16)
+    gen = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*shape, generator=gen) for shape in ((3, 2, 24), (40, 24), (40,)))
+    exact = F.linear(x.double(), weight.double(), bias.double()).float()
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, weight, bias), exact)
+        torch.testing.assert_close(quant_module.column_chunked_mm(x.reshape(6, 24), weight),
+                                   F.linear(x.reshape(6, 24).double(), weight.double()).float())
+    weight.requires_grad_(True)
+    linear(x, weight, bias).sum().backward()
+    torch.testing.assert_close(weight.grad, x.reshape(6, 24).sum(0).expand(40, -1))
 
 
 def test_use_gguf_kernels_choices(model_path, tmp_path):
