@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU figures of benchmarks/README.md, side by side in one run (about 25 minutes on
+# The CPU figures of benchmarks/README.md, side by side in one run (about 30 minutes on
 # 2 cores). Run it on a quiet machine: two processes that both use every core slow each
 # other down many times over (OpenMP threads spin while they wait).
 #
@@ -34,6 +34,10 @@ done
 step "4. full batch: achieved FLOP rate vs the GEMM rate"
 $PS bench latency --batch-size 64 --input-len 32 --output-len 128 --num-iters-warmup 1 \
     --num-iters 3 --dtype float32 --disable-tqdm --output-json "$OUT/latency_64.json"
+
+step "4b. the same at the default full batch (--max-num-seqs 256)"
+$PS bench latency --batch-size 256 --input-len 32 --output-len 128 --num-iters-warmup 0 \
+    --num-iters 1 --dtype float32 --disable-tqdm --output-json "$OUT/latency_256.json"
 
 step "5. one request alone (decode tokens/s = output_len / latency)"
 $PS bench latency --batch-size 1 --input-len 32 --output-len 128 --num-iters-warmup 1 \
