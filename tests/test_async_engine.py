@@ -2,6 +2,7 @@
 
 import asyncio
 import itertools
+import signal
 import threading
 import time
 
@@ -253,3 +254,23 @@ async def _last(stream):
     async for out in stream:
         pass
     return out
+
+
+def test_interrupt_while_loading_returns_after_the_load(monkeypatch):
+    """Ctrl-C during the load: KeyboardInterrupt reaches the caller only once the engine
+    thread has finished loading and has ended (no thread left inside torch's C++ code)."""
+    release = threading.Event()
+    loaded = []
+
+    def build(args):
+        release.wait(10)
+        loaded.append(True)
+        return FakeEngine()
+
+    monkeypatch.setattr("pagedserve.engine.async_engine.LLMEngine", build)
+    threading.Timer(0.2, signal.pthread_kill, (threading.get_ident(), signal.SIGINT)).start()
+    threading.Timer(0.6, release.set).start()
+    with pytest.raises(KeyboardInterrupt):
+        AsyncLLM.from_engine_args(object())
+    assert len(loaded) == 1  # raised after the load (at 0.6 s), not at the signal (0.2 s)
+    assert not [t for t in threading.enumerate() if t.name == "pagedserve-engine"]

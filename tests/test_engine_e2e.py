@@ -141,3 +141,10 @@ def test_bad_prompts_rejected_and_nothing_queued(llm):
     with pytest.raises(ValueError):
         llm.generate(["fine", {"prompt_token_ids": []}])
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("field", ["max_model_len", "max_num_batched_tokens"])
+def test_zero_limits_are_rejected_not_defaulted(field):
+    """0 is a bad value, not "unset": it must not fall back to the default."""
+    with pytest.raises(ValueError, match=f"{field} must be >= 1; got 0"):
+        LLM(**{field: 0})

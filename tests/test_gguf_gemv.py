@@ -92,16 +92,22 @@ def test_wide_weights_multiply_in_column_slices(monkeypatch):
     """Slices of 16 output columns (16 + 16 + 8) fill every column of the product, bias
     added, leading dimensions kept; with autograd on, plain F.linear keeps gradients."""
     monkeypatch.setattr(quant_module, "COLUMN_CHUNK", 16)
+    chunked_calls = []
+    chunked = quant_module.column_chunked_mm
+    monkeypatch.setattr(quant_module, "column_chunked_mm",
+                        lambda *args: chunked_calls.append(args) or chunked(*args))
     gen = torch.Generator().manual_seed(0)
     x, weight, bias = (torch.randn(*shape, generator=gen) for shape in ((3, 2, 24), (40, 24), (40,)))
     exact = F.linear(x.double(), weight.double(), bias.double()).float()
     with torch.no_grad():
         torch.testing.assert_close(linear(x, weight, bias), exact)
+        assert len(chunked_calls) == 1
         torch.testing.assert_close(quant_module.column_chunked_mm(x.reshape(6, 24), weight),
                                    F.linear(x.reshape(6, 24).double(), weight.double()).float())
     weight.requires_grad_(True)
     linear(x, weight, bias).sum().backward()
     torch.testing.assert_close(weight.grad, x.reshape(6, 24).sum(0).expand(40, -1))
+    assert len(chunked_calls) == 2  # the direct call above; not the autograd one
 
 
 def test_use_gguf_kernels_choices(model_path, tmp_path):

@@ -172,6 +172,9 @@ class AsyncLLM:
         regions, so each of torch's parallel elementwise ops pays a futex wake-up (F.silu on
         [64, 1728], 2 cores: 70 us on the thread that loaded the model, 140 us on a second
         thread). Loading and stepping on one thread keeps a single pool.
+
+        A ``KeyboardInterrupt`` while the model loads is re-raised once the load has ended
+        (exiting while that thread is inside torch's C++ code would abort the process).
         """
         num_threads = torch.get_num_threads()
         built: concurrent.futures.Future[AsyncLLM] = concurrent.futures.Future()
@@ -181,14 +184,23 @@ class AsyncLLM:
             try:
                 llm = cls(LLMEngine(args), stat_logger, num_threads)
             except Exception as err:  # noqa: BLE001 - re-raised by built.result() on the caller
-                built.set_exception(err)
+                if built.set_running_or_notify_cancel():
+                    built.set_exception(err)
                 return
             llm._thread = threading.current_thread()
-            built.set_result(llm)
-            llm._run()
+            if built.set_running_or_notify_cancel():  # False: the caller gave up meanwhile
+                built.set_result(llm)
+                llm._run()
 
-        threading.Thread(target=build_and_run, name="pagedserve-engine", daemon=True).start()
-        return built.result()
+        thread = threading.Thread(target=build_and_run, name="pagedserve-engine", daemon=True)
+        thread.start()
+        try:
+            return built.result()
+        except KeyboardInterrupt:
+            if not built.cancel():  # built already: stop its loop
+                built.result().shutdown()
+            thread.join()
+            raise
 
     # -- lifecycle ----------------------------------------------------------------------
 

@@ -68,11 +68,13 @@ class LLMEngine:
                                             else self.model_path)
         self.eos_token_id = self._eos_token_id()
         self.extra_eos_token_ids = self._extra_eos_token_ids()
-        self.max_model_len = args.max_model_len or self.hf_config.max_position_embeddings
+        self.max_model_len = (self.hf_config.max_position_embeddings if args.max_model_len is None
+                              else args.max_model_len)
+        default_batched = 2048 if args.enable_chunked_prefill else max(2048, self.max_model_len)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens
-            or (2048 if args.enable_chunked_prefill else max(2048, self.max_model_len)),
+            max_num_batched_tokens=(default_batched if args.max_num_batched_tokens is None
+                                    else args.max_num_batched_tokens),
             max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling=args.scheduling,

@@ -56,7 +56,8 @@ class GGUFWeight:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            quant: GGUFWeight | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, ``[..., K] -> [..., N]``, computed from ``quant`` (the
-    same weight as GGUF blocks) when x has at most ``MAX_ROWS`` rows."""
+    same weight as GGUF blocks) when x has at most ``MAX_ROWS`` rows, else by
+    ``column_chunked_mm`` for a CPU weight wider than ``COLUMN_CHUNK`` without autograd."""
     rows = x.numel() // x.shape[-1]
     if quant is not None and rows <= MAX_ROWS:
         out = torch.ops.pagedserve.ggml_mul_mat(quant.qweight, x.reshape(rows, -1),
