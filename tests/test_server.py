@@ -392,6 +392,9 @@ ERROR_CASES = [
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages[0].content"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user"}]},
+     400, "messages[1].content"),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_OK, "logprobs": True,
                                       "top_logprobs": 50}, 400, "top_logprobs"),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_OK,
