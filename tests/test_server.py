@@ -354,6 +354,20 @@ def test_disconnect_aborts_and_frees_kv_cache(ready, http):
 
 # -- 4. errors ------------------------------------------------------------------------------
 
+
+def test_taken_port_fails_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve",
+                               "--port", str(port)],
+                              check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot listen on http://127.0.0.1:{port}: Address already in use" in proc.stderr
+    assert "KV cache" not in proc.stderr  # no model was loaded
+
+
 LONG = list(range(100, 100 + MAX_MODEL_LEN + 5))
 CHAT_OK = [{"role": "user", "content": "hi"}]
 ERROR_CASES = [

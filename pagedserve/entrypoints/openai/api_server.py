@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import logging
 import signal
+import socket
 import time
 from typing import Any
 
@@ -285,11 +286,39 @@ def _url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (uvicorn listens on it), made before the model
+    loads so that a taken port fails at once, as vLLM binds its socket before the engine.
+
+    Raises ``OSError`` (e.g. ``EADDRINUSE``) if it cannot be bound."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGINT/SIGTERM; returns the exit code: 0 after a signal,
-    non-zero (uvicorn's 3) if the server could not start, e.g. the port is taken.
+    1 if the address cannot be bound (checked before the model loads) or the server could
+    not start.
 
     Raises ``ValueError`` / ``FileNotFoundError`` from the engine for bad arguments."""
+    try:
+        sock = listen_socket(args.host, args.port)
+    except OSError as err:
+        logger.error("cannot listen on %s: %s", _url(args.host, args.port), err.strerror or err)
+        return 1
+    with sock:
+        return _serve(args, sock)
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     engine = AsyncLLM.from_engine_args(engine_args)
     core = engine.engine
@@ -316,8 +345,8 @@ def run_server(args: argparse.Namespace) -> int:
                             timeout_keep_alive=5)
     server = _Server(config, engine)
     try:
-        server.run()
-    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
+        server.run(sockets=[sock])
+    except SystemExit as exc:  # uvicorn exits 1 when it cannot start
         return exc.code if isinstance(exc.code, int) else 1
     finally:
         engine.shutdown()
