@@ -25,10 +25,6 @@ constexpr int64_t kGrain = 16;
 template <typename T>
 inline T round_to(float x) { return static_cast<T>(x); }
 
-}  // namespace
-
-namespace {
-
 template <typename scalar_t>
 void rms_norm_row(scalar_t* out, const scalar_t* x, const scalar_t* w, int64_t H, float eps) {
   float sum = 0.f;

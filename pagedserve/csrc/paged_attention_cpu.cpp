@@ -1,7 +1,7 @@
-// Paged attention for CPU (torch.ops.pagedserve.paged_attention): reads K/V straight from the cache blocks through the block
-// tables (no gathered copy of the context), one work item per query row (all heads; per
-// KV head when there are fewer rows than threads), spread over threads with
-// at::parallel_for.
+// Paged attention for CPU (torch.ops.pagedserve.paged_attention): reads K/V straight from
+// the cache blocks through the block tables (no gathered copy of the context), one work
+// item per query row (all heads; per KV head when there are fewer rows than threads),
+// spread over threads with at::parallel_for.
 //
 // Layouts (see pagedserve/attention/backend.py):
 //   query       [num_tokens, num_heads, head_dim]
