@@ -74,6 +74,28 @@ def test_seeded_sampling_independent_of_batch(llm, chat_prompts):
     assert batch[1].outputs[0].text == alone.outputs[0].text
 
 
+def test_seeded_n_samples_differ_and_fix_the_set(llm, chat_prompts):
+    """n > 1 with a seed: sample i is drawn with seed + i (vLLM's ``ParentRequest`` rule), so
+    the n samples differ from each other, the set is the same on every run, and each
+    sample equals the n = 1 request with that seed, alone or beside other requests."""
+    tok = llm.get_tokenizer()
+    prompt = {"prompt_token_ids": list(tok.apply_chat_template(
+        [{"role": "user", "content": "Write a one-line slogan for a bakery."}],
+        add_generation_prompt=True, tokenize=True, return_dict=False))}
+    params = SamplingParams(n=4, temperature=0.9, seed=7, max_tokens=30)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs
+    texts = [c.text for c in first]
+    assert len(set(texts)) == 4, texts
+    again = llm.generate(_token_prompts(chat_prompts[:2]) + [prompt],
+                         [SamplingParams(temperature=1.0, max_tokens=20)] * 2 + [params],
+                         use_tqdm=False)[2].outputs
+    assert [c.token_ids for c in again] == [c.token_ids for c in first]
+    for i, sample in enumerate(first):
+        single = SamplingParams(temperature=0.9, seed=7 + i, max_tokens=30)
+        alone = llm.generate([prompt], single, use_tqdm=False)[0].outputs[0]
+        assert alone.token_ids == sample.token_ids
+
+
 def test_ignore_eos_runs_to_max_tokens(llm, hf_model, chat_prompts):
     out = llm.generate(_token_prompts([chat_prompts[0]]),
                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
