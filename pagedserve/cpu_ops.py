@@ -28,7 +28,10 @@ def load_cpu_ops():
     Raises RuntimeError/OSError if the toolchain is missing."""
     from torch.utils.cpp_extension import load
 
+    # The checkout's path is part of the name: torch rebuilds an extension whose sources
+    # moved, so two checkouts sharing one name would rebuild each other's kernels.
     digest = hashlib.sha256(" ".join(sorted(cpu_flags())).encode())
+    digest.update(str(Path(__file__).parent.resolve()).encode())
     for source in _SOURCES:
         digest.update(source.read_bytes())
     load(
