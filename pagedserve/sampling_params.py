@@ -71,6 +71,9 @@ class SamplingParams:
         spaces_between_special_tokens: put spaces between adjacent special tokens.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         logit_bias: token id -> bias in [-100, 100] added to the logit (OpenAI semantics).
+        truncate_prompt_tokens: keep only the last k prompt tokens (>= 1), or -1 for the
+            last ``max_model_len``; None = no truncation. The engine raises ``ValueError``
+            when k > max_model_len (vLLM's ``truncate_prompt_tokens``, left truncation).
 
     Raises:
         ValueError: on any out-of-range or ill-typed value, naming the field.
@@ -97,6 +100,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -104,7 +108,8 @@ class SamplingParams:
             setattr(self, name, _as_float(name, getattr(self, name)))
         for name in ("n", "top_k", "min_tokens"):
             _check_int(name, getattr(self, name))
-        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs",
+                     "truncate_prompt_tokens"):
             _check_int(name, getattr(self, name), optional=True)
         for name in ("ignore_eos", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens", "include_stop_str_in_output"):
@@ -175,6 +180,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or self.logprobs >= 0, ">= 0", self.logprobs),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              ">= 0", self.prompt_logprobs),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1)
+             or self.truncate_prompt_tokens >= 1, "-1 or >= 1", self.truncate_prompt_tokens),
         ]
         for name, ok, allowed, got in checks:
             if not ok:  # NaN fails every comparison, so it lands here too

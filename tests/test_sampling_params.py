@@ -57,6 +57,8 @@ def test_clone_is_deep():
     ("logit_bias", {1: 101}), ("logit_bias", {1: -100.5}), ("logit_bias", {"x": 1}),
     ("logit_bias", {-1: 1}), ("logit_bias", [1, 2]),
     ("ignore_eos", 1), ("detokenize", "yes"), ("skip_special_tokens", None),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
+    ("truncate_prompt_tokens", 1.0),
 ])
 def test_invalid_value_names_field(field, value):
     with pytest.raises(ValueError, match=field) as info:

@@ -509,6 +509,160 @@ def test_metrics_parse_and_move(http, client):
     assert delta("vllm:iteration_tokens_total_sum") == r.usage.prompt_tokens + 4
 
 
+# -- 6. scoring and prompt fields: echo + max_tokens 0, prompt_logprobs, truncation, chat echo --
+
+
+def _hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    """Row i: transformers' log-softmax over the vocabulary for the token after ids[:i+1]."""
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+
+
+def _check_echo_logprobs(lp: dict, ids: list[int], ref: torch.Tensor, tok) -> None:
+    """Legacy logprobs of an echoed prompt, as lm-evaluation-harness reads them."""
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for i in range(1, len(ids)):
+        want = float(ref[i - 1, ids[i]])
+        assert abs(lp["token_logprobs"][i] - want) < 1e-4, (i, lp["token_logprobs"][i], want)
+        best = int(ref[i - 1].argmax())
+        top = lp["top_logprobs"][i]  # logprobs=1: the most likely token, plus the prompt's
+        assert set(top) == {tok.decode([best]), tok.decode([ids[i]])}
+        assert abs(top[tok.decode([best])] - float(ref[i - 1, best])) < 1e-4
+        assert top[lp["tokens"][i]] == lp["token_logprobs"][i]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
+
+
+def test_echo_max_tokens_0_scores_the_prompt(http, hf_model, reference):
+    tok = reference["tokenizer"]
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 0, "echo": True,
+            "logprobs": 1, "temperature": 0}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    ids = tok.encode(PROMPTS[0])
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    assert choice["text"] == PROMPTS[0] and choice["finish_reason"] == "length"
+    assert choice["prompt_logprobs"] is None  # not asked for
+    assert usage == {"prompt_tokens": len(ids), "completion_tokens": 0,
+                     "total_tokens": len(ids)}
+    _check_echo_logprobs(choice["logprobs"], ids, _hf_logprobs(hf_model, ids), tok)
+
+    # A batch of token-id prompts, as lm-evaluation-harness's local-completions sends it.
+    batch = [tok.encode(p) for p in ("The capital of France is Paris", "def fibonacci(n):")]
+    r = http.post("/v1/completions", json=dict(body, prompt=batch)).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert r["usage"]["completion_tokens"] == 0
+    for ids, choice in zip(batch, r["choices"], strict=True):
+        assert choice["text"] == tok.decode(ids)
+        _check_echo_logprobs(choice["logprobs"], ids, _hf_logprobs(hf_model, ids), tok)
+
+    # Streamed: one chunk per prompt with the prompt and its logprobs, ended by length.
+    with http.stream("POST", "/v1/completions", json=dict(body, prompt=batch, stream=True)) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: {")]
+    assert sorted(e["choices"][0]["index"] for e in events) == [0, 1]
+    for e in events:
+        streamed, whole = e["choices"][0], r["choices"][e["choices"][0]["index"]]
+        assert "prompt_logprobs" not in streamed
+        assert streamed["text"] == whole["text"] and streamed["finish_reason"] == "length"
+        assert streamed["logprobs"] == whole["logprobs"]
+
+    r = http.post("/v1/completions", json=dict(body, echo=False))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_prompt_logprobs_match_transformers(http, hf_model, reference):
+    tok = reference["tokenizer"]
+    ids = tok.encode(PROMPTS[1])
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 2}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    ref = _hf_logprobs(hf_model, ids)
+    assert len(got) == len(ids) and got[0] is None
+    for i in range(1, len(ids)):
+        row = ref[i - 1]
+        top2 = row.topk(2).indices.tolist()
+        assert set(got[i]) == {str(t) for t in (*top2, ids[i])}
+        for key, entry in got[i].items():
+            t = int(key)
+            assert abs(entry["logprob"] - float(row[t])) < 1e-4
+            assert entry["rank"] == int((row > row[t]).sum()) + 1
+            assert entry["decoded_token"] == tok.decode([t])
+    r = http.post("/v1/completions", json=dict(body, stream=True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+@pytest.mark.parametrize(("prompt", "index"), [
+    (["Hello", "word " * (MAX_MODEL_LEN + 5), "Bye"], 1),
+    ([[1, 2, 3], LONG, [4, 5]], 1),
+    ([[1, 2, 3], [4, 5], [10**9]], 2),
+    ([[1, 2, 3], []], 1),
+])
+def test_batch_prompt_error_names_the_index(http, prompt, index):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == f"prompt[{index}]" and err["message"].startswith(f"prompt[{index}]")
+    # The prompts added before the bad one were aborted: nothing stays queued or cached.
+    after = wait_idle(http)
+    assert value(after, "vllm:num_requests_running") == 0
+    assert value(after, "vllm:kv_cache_usage_perc") == 0
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_truncate_prompt_tokens(http, reference):
+    tok = reference["tokenizer"]
+    ids = tok.encode(" ".join(f"word{i}" for i in range(200)))[:120]
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    cut = http.post("/v1/completions", json=dict(body, prompt=ids, truncate_prompt_tokens=16))
+    direct = http.post("/v1/completions", json=dict(body, prompt=ids[-16:])).json()
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == 16
+    assert cut.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+    # An over-long prompt fits once truncated.
+    r = http.post("/v1/completions", json=dict(body, prompt=LONG, truncate_prompt_tokens=16))
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 16
+    # Chat: the last 16 tokens of the templated conversation.
+    chat_ids = http.post("/tokenize", json={"model": MODEL, "messages": CHATS[1]}).json()["tokens"]
+    r = http.post("/v1/chat/completions", json=dict(body, messages=CHATS[1],
+                                                    truncate_prompt_tokens=16)).json()
+    want = http.post("/v1/completions", json=dict(body, prompt=chat_ids[-16:])).json()
+    assert r["usage"]["prompt_tokens"] == 16
+    assert r["choices"][0]["message"]["content"] == want["choices"][0]["text"]
+    for k in (MAX_MODEL_LEN + 1, 0, -2):
+        r = http.post("/v1/chat/completions", json=dict(body, messages=CHATS[1],
+                                                        truncate_prompt_tokens=k))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_chat_echo_prepends_the_assistant_message(http, reference):
+    messages = [{"role": "user", "content": "Tell me one fact about the moon."},
+                {"role": "assistant", "content": "The moon is"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
+            "continue_final_message": True, "add_generation_prompt": False}
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    echoed = http.post("/v1/chat/completions", json=dict(body, echo=True)).json()
+    assert plain["content"]  # something was generated after the prefix
+    assert echoed["choices"][0]["message"]["content"] == "The moon is" + plain["content"]
+    assert echoed["usage"]["completion_tokens"] == 8
+
+    with http.stream("POST", "/v1/chat/completions",
+                     json=dict(body, echo=True, stream=True)) as s:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in s.iter_lines()
+                  if line.startswith("data: {")]
+    contents = [d["content"] for d in deltas if d.get("content")]
+    assert deltas[0]["role"] == "assistant" and contents[0] == "The moon is"
+    assert "".join(contents) == "The moon is" + plain["content"]
+
+    # The last message is the user's: nothing to echo.
+    r = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": CHATS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+        "echo": True}).json()
+    assert r["choices"][0]["message"]["content"] == reference["chats"][0].outputs[0].text
+
+
 # -- shutdown (last: it stops the shared server) ------------------------------------------
 
 

@@ -209,7 +209,7 @@ class LLMEngine:
         queued then."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self._truncate(*self._tokenize(prompt), params.truncate_prompt_tokens)
         params = self._check_params(token_ids, params)
         if self.extra_eos_token_ids and not params.ignore_eos:
             params = replace(params, stop_token_ids=[
@@ -251,6 +251,22 @@ class LLMEngine:
             raise ValueError(
                 f"token id {bad[0]} is out of the vocabulary [0, {self.hf_config.vocab_size})")
         return None, prompt
+
+    def _truncate(self, text: str | None, token_ids: list[int], keep: int | None
+                  ) -> tuple[str | None, list[int]]:
+        """The last ``keep`` prompt tokens (vLLM's ``truncate_prompt_tokens``: -1 means
+        ``max_model_len``). The text is dropped when tokens are cut: it would no longer
+        match the ids (``echo`` then decodes the ids kept). Raises ``ValueError`` when
+        ``keep`` > ``max_model_len``."""
+        if keep is None:
+            return text, token_ids
+        if keep > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be <= max_model_len "
+                             f"({self.max_model_len}) or -1; got {keep}")
+        keep = self.max_model_len if keep == -1 else keep
+        if len(token_ids) <= keep:
+            return text, token_ids
+        return None, token_ids[-keep:]
 
     def _check_params(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         if not token_ids:

@@ -90,6 +90,8 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    # -1: the last max_model_len tokens; 0 is rejected by SamplingParams, naming the field.
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
 
 
 # -- completions ----------------------------------------------------------------------
@@ -99,15 +101,20 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions`` (OpenAI's legacy completions).
 
     ``prompt``: a string, a list of strings, a list of token ids, or a list of token-id
-    lists; each prompt gives ``n`` choices, numbered prompt-major.
+    lists; each prompt gives ``n`` choices, numbered prompt-major. ``max_tokens: 0`` is
+    allowed only with ``echo`` (score the prompt, generate nothing; vLLM's rule).
+    ``prompt_logprobs`` (vLLM extra): top-N logprobs of every prompt token, returned per
+    choice; not with ``stream``.
     """
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     best_of: Annotated[int, Field(ge=1)] | None = None
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     suffix: str | None = None
+    # vLLM extras
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
 
 
 class CompletionLogProbs(BaseModel):
@@ -120,8 +127,8 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(BaseModel):
-    """One choice of a completion (or a chunk of it): index ``prompt * n + sample``;
+class CompletionResponseStreamChoice(BaseModel):
+    """One choice of a streamed completion chunk: index ``prompt * n + sample``;
     ``stop_reason`` (vLLM) is the stop string or token id that ended it."""
 
     index: int
@@ -129,6 +136,23 @@ class CompletionResponseChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob`` as its server sends it: natural-log probability, 1-based rank in
+    the model's distribution, token text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class CompletionResponseChoice(CompletionResponseStreamChoice):
+    """One choice of a non-streamed completion; ``prompt_logprobs`` (vLLM extra, when
+    asked): one entry per prompt token, None for the first, else token id -> logprob of the
+    prompt's token and the top-N (JSON keys are the ids as strings)."""
+
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -152,7 +176,7 @@ class CompletionStreamResponse(BaseModel):
     created: int
     model: str
     system_fingerprint: str | None = None
-    choices: list[CompletionResponseChoice]
+    choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
 
 
@@ -183,7 +207,8 @@ class ResponseFormat(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``. The prompt is the model's chat template applied to
     ``messages`` with the generation prompt. ``max_completion_tokens`` wins over the older
-    ``max_tokens``; None means up to ``max_model_len``."""
+    ``max_tokens``; None means up to ``max_model_len``. ``echo`` (vLLM extra): when the last
+    message is the assistant's, its content starts the reply."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = False
@@ -197,6 +222,7 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM extras
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
+    echo: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 

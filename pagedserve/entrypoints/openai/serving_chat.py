@@ -5,7 +5,8 @@ Source: OpenAI API reference, "Chat Completions" (``chat.completion`` and
 the last chunk of each choice; with ``stream_options.include_usage`` a last chunk with
 empty ``choices`` and the usage; logprobs as ``{"content": [{token, logprob, bytes,
 top_logprobs}]}``). The prompt is the model's chat template with the generation prompt,
-exactly as ``LLM.chat`` builds it.
+exactly as ``LLM.chat`` builds it. vLLM's ``serving_chat.py`` for ``echo``: the last
+message's content starts the reply when that message is the assistant's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
+    ChatMessage,
     ChatMessageResponse,
     TopLogprob,
     UsageInfo,
@@ -35,6 +37,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     clamp_logprob,
     engine_error,
     merge_streams,
+    message_to_dict,
     random_id,
     sampling_params,
     sse,
@@ -62,6 +65,15 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
                                      bytes=list((e.decoded_token or "").encode()))
                           for e in alternatives[:top]]))
     return ChatCompletionLogProbs(content=content)
+
+
+def echo_text(messages: list[ChatMessage]) -> str:
+    """What ``echo`` prepends to the reply (vLLM's rule): the last message's content (text
+    parts joined with newlines) when its role is the reply's (``assistant``), else ""."""
+    last = messages[-1]
+    if last.role != "assistant":
+        return ""
+    return message_to_dict(last, len(messages) - 1)["content"]
 
 
 class OpenAIServingChat:
@@ -92,12 +104,13 @@ class OpenAIServingChat:
         streams = await add_requests(self.ctx.engine, request_id,
                                      [{"prompt_token_ids": prompt_ids}], params, arrival,
                                      prompt_param="messages")
+        echo = echo_text(req.messages) if req.echo else ""
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, streams, top),
+            return StreamingResponse(self._stream(req, request_id, streams, top, echo),
                                      media_type="text/event-stream")
-        return await until_disconnected(raw, self._full(request_id, streams, top))
+        return await until_disconnected(raw, self._full(request_id, streams, top, echo))
 
-    async def _full(self, request_id: str, streams, top: int | None) -> Response:
+    async def _full(self, request_id: str, streams, top: int | None, echo: str) -> Response:
         final: RequestOutput | None = None
         try:
             async for _, out in merge_streams(streams):
@@ -111,7 +124,8 @@ class OpenAIServingChat:
             logprobs = (chat_logprobs(c.token_ids, c.logprobs or [], top)
                         if top is not None else None)
             choices.append(ChatCompletionResponseChoice(
-                index=c.index, message=ChatMessageResponse(content=c.text), logprobs=logprobs,
+                index=c.index, message=ChatMessageResponse(content=echo + c.text),
+                logprobs=logprobs,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         body = ChatCompletionResponse(id=request_id, model=self.ctx.served_model_name,
@@ -119,7 +133,7 @@ class OpenAIServingChat:
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, streams,
-                      top: int | None) -> AsyncIterator[str]:
+                      top: int | None, echo: str) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model = self.ctx.served_model_name
@@ -138,6 +152,8 @@ class OpenAIServingChat:
             for i in range(n):
                 yield chunk(ChatCompletionStreamChoice(
                     index=i, delta={"role": "assistant", "content": ""}))
+            for i in range(n if echo else 0):  # the echoed message is the first content
+                yield chunk(ChatCompletionStreamChoice(index=i, delta={"content": echo}))
             async for _, out in merge_streams(streams):
                 usage.prompt_tokens = len(out.prompt_token_ids)
                 usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)

@@ -3,13 +3,16 @@
 Source: OpenAI API reference, "Completions" (request fields, ``text_completion`` objects,
 legacy ``logprobs`` with ``tokens`` / ``token_logprobs`` / ``top_logprobs`` /
 ``text_offset``); vLLM's ``serving_completion.py`` for ``echo`` with logprobs (the first
-prompt token has no logprob) and choice numbering (``prompt_index * n + sample_index``).
+prompt token has no logprob), ``echo`` with ``max_tokens: 0`` (run with one token, then drop
+it: the prompt alone is the answer, as log-likelihood harnesses expect), ``prompt_logprobs``
+per choice, and choice numbering (``prompt_index * n + sample_index``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -19,7 +22,9 @@ from pagedserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
+    CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    PromptLogprob,
     UsageInfo,
 )
 from pagedserve.entrypoints.openai.serving_engine import (
@@ -35,7 +40,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     sse_error,
     until_disconnected,
 )
-from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
 
 def normalize_prompts(prompt) -> list[str | dict]:
@@ -106,11 +111,22 @@ class OpenAIServingCompletion:
         if req.best_of is not None and req.best_of != n:
             raise APIError(400, "best_of must equal n: best-of sampling is not supported",
                            param="best_of")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo, to score the "
+                                "prompt); got 0", param="max_tokens")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs are not available when stream is true",
+                           param="prompt_logprobs")
         prompts = normalize_prompts(req.prompt)
-        echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-        params = sampling_params(req, req.max_tokens, req.logprobs, echo_logprobs)
+        # echo + logprobs needs the prompt's logprobs too: compute the larger top-N once.
+        wanted = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None)
+                  if v is not None]
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+        params = sampling_params(req, max_tokens, req.logprobs, max(wanted, default=None))
         request_id = random_id("cmpl")
-        streams = await add_requests(self.ctx.engine, request_id, prompts, params, arrival)
+        batch = isinstance(req.prompt, list) and not isinstance(req.prompt[0], int)
+        streams = await add_requests(self.ctx.engine, request_id, prompts, params, arrival,
+                                     indexed=batch)
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, streams, n),
                                      media_type="text/event-stream")
@@ -141,7 +157,12 @@ class OpenAIServingCompletion:
             if req.echo:
                 prompt_text, first_token = await self._echo_info(out)
             usage.prompt_tokens += len(out.prompt_token_ids)
+            prompt_logprobs = (None if req.prompt_logprobs is None
+                               else _prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids,
+                                                     req.prompt_logprobs))
             for c in out.outputs:
+                if req.max_tokens == 0:
+                    c = _prompt_only(c)  # drop the one token it ran with
                 usage.completion_tokens += len(c.token_ids)
                 logprobs = None
                 if req.logprobs is not None:
@@ -153,7 +174,8 @@ class OpenAIServingCompletion:
                     logprobs = builder.build(token_ids, entries, first_token)
                 choices.append(CompletionResponseChoice(
                     index=i * n + c.index, text=prompt_text + c.text, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    prompt_logprobs=prompt_logprobs))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         body = CompletionResponse(id=request_id, model=self.ctx.served_model_name,
                                   choices=choices, usage=usage)
@@ -171,7 +193,7 @@ class OpenAIServingCompletion:
         prompt_tokens: dict[int, int] = {}
         completion_tokens: dict[int, int] = {}
 
-        def chunk(choice: CompletionResponseChoice) -> str:
+        def chunk(choice: CompletionResponseStreamChoice) -> str:
             body = CompletionStreamResponse(id=request_id, created=created, model=model,
                                             choices=[choice])
             return sse(body.model_dump_json(exclude=None if include_usage else {"usage"}))
@@ -180,6 +202,8 @@ class OpenAIServingCompletion:
             async for i, out in merge_streams(streams):
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 for c in out.outputs:
+                    if req.max_tokens == 0:
+                        c = _prompt_only(c)  # drop the one token it ran with
                     idx = i * n + c.index
                     completion_tokens[idx] = len(c.token_ids)
                     if idx in done:
@@ -205,7 +229,7 @@ class OpenAIServingCompletion:
                         continue
                     if c.finish_reason is not None:
                         done.add(idx)
-                    yield chunk(CompletionResponseChoice(
+                    yield chunk(CompletionResponseStreamChoice(
                         index=idx, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason))
             if include_usage:
@@ -217,6 +241,31 @@ class OpenAIServingCompletion:
         except Exception as err:  # noqa: BLE001 - shutdown, step failure: tell the client in-band
             yield sse_error(err)
         yield sse("[DONE]")
+
+
+def _prompt_only(c: CompletionOutput) -> CompletionOutput:
+    """A ``max_tokens: 0`` choice: the engine ran it with one token, which is dropped here
+    (vLLM's rule); it ended by length, having generated all 0 tokens it was allowed."""
+    return replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                   cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
+                   finish_reason=c.finish_reason and "length", stop_reason=None)
+
+
+def _prompt_logprobs(entries: PromptLogprobs | None, token_ids: list[int],
+                     top: int) -> list[dict[int, PromptLogprob] | None]:
+    """vLLM's choice-level ``prompt_logprobs``: None for the first prompt token, then per
+    position the prompt token and the ``top`` most likely ones (rank <= top), logprobs
+    clamped to -9999.0 as vLLM does."""
+    out: list[dict[int, PromptLogprob] | None] = []
+    for tid, entry in zip(token_ids, entries or [None] * len(token_ids)):
+        if entry is None:
+            out.append(None)
+            continue
+        out.append({t: PromptLogprob(logprob=clamp_logprob(e.logprob), rank=e.rank,
+                                     decoded_token=e.decoded_token)
+                    for t, e in entry.items()
+                    if t == tid or (e.rank is not None and e.rank <= top)})
+    return out
 
 
 def _concat(a: CompletionLogProbs | None, b: CompletionLogProbs) -> CompletionLogProbs:

@@ -182,7 +182,7 @@ def message_to_dict(message: ChatMessage, index: int) -> dict:
 _SAMPLING_NAMES = {
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-    "logit_bias", "prompt_logprobs",
+    "logit_bias", "prompt_logprobs", "truncate_prompt_tokens",
 }
 
 
@@ -219,18 +219,23 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             spaces_between_special_tokens=pick(req.spaces_between_special_tokens, True),
             include_stop_str_in_output=pick(req.include_stop_str_in_output, False),
             logit_bias=req.logit_bias,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
     except ValueError as err:
         raise bad_request(err, _SAMPLING_NAMES) from err
 
 
 async def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params: SamplingParams,
-                       arrival_time: float, prompt_param: str = "prompt") -> list[RequestStream]:
+                       arrival_time: float, prompt_param: str = "prompt",
+                       indexed: bool = False) -> list[RequestStream]:
     """Add one engine request per prompt (ids ``base_id`` or ``base_id-i``); all or none.
 
-    Raises ``APIError`` 400 for a prompt the engine rejects (``param`` is the sampling field
-    named in the message, else ``prompt_param``), 503 when the engine is shutting down."""
+    Raises ``APIError`` 400 for a prompt the engine rejects: ``param`` is the sampling field
+    named in the message, else ``prompt_param``, or with ``indexed`` (a batch of prompts)
+    ``prompt_param[i]``, which then also starts the message. 503 when the engine is shutting
+    down."""
     streams: list[RequestStream] = []
+    i = 0
     try:
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
@@ -240,7 +245,10 @@ async def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params: Sa
             s.abort()
         if isinstance(err, ValueError):
             api = bad_request(err, _SAMPLING_NAMES)
-            api.param = api.param or prompt_param
+            if api.param is None:
+                api.param = f"{prompt_param}[{i}]" if indexed else prompt_param
+                if indexed:
+                    api.message = f"{api.param}: {api.message}"
             raise api from err
         if isinstance(err, EngineClosedError):
             raise APIError(503, str(err)) from err
