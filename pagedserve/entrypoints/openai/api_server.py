@@ -324,6 +324,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     core = engine.engine
     name, aliases = served_names(args, core.model_path)
     stat_logger = PrometheusStatLogger(name, core.max_model_len)
+    stat_logger.log_cache_config_info(core.cache_config_info())
     engine.stat_logger = stat_logger
     ctx = ServingContext(engine=engine, served_model_name=name, model_aliases=aliases,
                          model_root=str(core.model_path), tokenizer=core.tokenizer,
