@@ -2,10 +2,13 @@
 
 Names, help texts, buckets and labels follow vLLM v1 (``vllm/v1/metrics/loggers.py``,
 ``PrometheusStatLogger``); every series carries the labels ``model_name`` (the served model
-name) and ``engine`` (always ``"0"``: one engine per server). Counters are exposed with
-prometheus-client's ``_total`` suffix (``vllm:prompt_tokens_total``), as vLLM's are.
+name) and ``engine`` (always ``"0"``: one engine per server), except the info gauge
+``vllm:cache_config_info`` (``engine`` and the cache configuration, as vLLM). Counters are
+exposed with prometheus-client's ``_total`` suffix (``vllm:prompt_tokens_total``), as vLLM's
+are.
 
-The engine loop computes plain stats objects (``SchedulerStats`` after every step,
+The engine loop computes plain stats objects (``SchedulerStats`` when a step is scheduled,
+so a request in the step being computed counts as running, and again after the step;
 ``IterationStats`` per step, ``FinishedRequestStats`` per finished request) and hands them
 to ``PrometheusStatLogger.record``; the collectors are thread-safe, and ``/metrics`` renders
 them with ``render()``. Times are seconds on the ``time.monotonic`` clock.
@@ -16,6 +19,7 @@ number of sequences that produced a token in one engine step (the decode batch s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import prometheus_client
@@ -203,6 +207,15 @@ class PrometheusStatLogger:
             "Histogram of the number of sequences that produced a token per engine step.",
             _BATCH_BUCKETS)
         self._last = SchedulerStats()
+
+    def log_cache_config_info(self, info: Mapping[str, str]) -> None:
+        """Export ``vllm:cache_config_info``: a gauge of value 1 whose labels are the KV
+        cache configuration (``LLMEngine.cache_config_info()``: block_size, num_gpu_blocks,
+        cache_dtype, enable_prefix_caching, gpu_memory_utilization, ...) plus ``engine``,
+        as vLLM's ``PrometheusStatLogger.log_metrics_info``; call it once."""
+        labels = {**info, "engine": "0"}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              list(labels), registry=self.registry).labels(**labels).set(1)
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None) -> None:

@@ -4,6 +4,9 @@ tiny random-weight Llama."""
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 import torch
@@ -103,3 +106,25 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
                 break
             ids = torch.tensor([[token]])
     return out
+
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str,
+               interval: float = 0.05) -> T:
+    """Poll ``predicate()`` until it returns something truthy, and return that.
+
+    For tests that wait on another thread or process (the engine thread, a server): a
+    deadline instead of a fixed sleep, so a loaded machine makes the test slower, not red.
+    ``timeout`` is in seconds; ``what`` names the condition in the failure message
+    (``pytest.fail``), which also shows the predicate's last value.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what} (last value: {got!r})")
+        time.sleep(interval)

@@ -7,14 +7,17 @@ import threading
 import time
 
 import pytest
+from conftest import wait_until
 
 from pagedserve.core.kv_cache_manager import KVCacheStats
+from pagedserve.engine.args import EngineArgs
 from pagedserve.engine.async_engine import (
     AsyncLLM,
     EngineClosedError,
     EngineStepError,
     RequestAbortedError,
 )
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.metrics import PrometheusStatLogger
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -65,9 +68,11 @@ class FakeEngine:
                             cached_blocks=0, block_size=16, num_tokens=used,
                             prefix_cache_queries=0, prefix_cache_hits=0)
 
-    def step(self):
+    def step(self, on_scheduled=None):
         self.thread_ids.add(threading.get_ident())
         self.steps += 1
+        if on_scheduled is not None and self.live:
+            on_scheduled()
         time.sleep(self.step_delay)
         if self.fail_next_step:
             self.fail_next_step = False
@@ -148,13 +153,10 @@ def test_abort_by_leaving_the_stream(engine):
         async for out in stream:
             if len(out.outputs[0].token_ids) >= 2:
                 break
-        for _ in range(200):
-            if "r" in fake.aborted:
-                return
-            await asyncio.sleep(0.01)
 
     run(main())
-    assert "r" in fake.aborted and not fake.live
+    wait_until(lambda: "r" in fake.aborted, 60, "the abort to reach the engine thread")
+    assert not fake.live
 
 
 def test_step_failure_fails_in_flight_requests_and_loop_survives(engine):
@@ -210,12 +212,17 @@ def test_metrics_follow_requests(engine):
             pass
 
     run(main())
-    time.sleep(0.05)
-    text = stats.render().decode()
+    # The output reaches the stream before the engine thread records the step's stats.
+    success = ('vllm:request_success_total{engine="0",finished_reason="length",'
+               'model_name="fake"} 1.0')
+
+    def rendered_with_success():
+        text = stats.render().decode()
+        return text if success in text else None
+
+    text = wait_until(rendered_with_success, 60, "the finished request in the metrics")
     assert 'vllm:generation_tokens_total{engine="0",model_name="fake"} 3.0' in text
     assert 'vllm:prompt_tokens_total{engine="0",model_name="fake"} 3.0' in text
-    assert ('vllm:request_success_total{engine="0",finished_reason="length",'
-            'model_name="fake"} 1.0') in text
     assert 'vllm:num_requests_running{engine="0",model_name="fake"} 0.0' in text
 
 
@@ -274,3 +281,53 @@ def test_interrupt_while_loading_returns_after_the_load(monkeypatch):
         AsyncLLM.from_engine_args(object())
     assert len(loaded) == 1  # raised after the load (at 0.6 s), not at the signal (0.2 s)
     assert not [t for t in threading.enumerate() if t.name == "pagedserve-engine"]
+
+
+def _gauge(stats: PrometheusStatLogger, name: str) -> float:
+    return stats.registry.get_sample_value(name, {"model_name": "tiny", "engine": "0"})
+
+
+def test_gauges_count_the_step_being_computed(tiny_llama):
+    """While a (slow) step computes, its request reads as running and a queued one as
+    waiting: the engine thread refreshes the gauges once the step is scheduled. A real
+    engine on the tiny model, with max_num_seqs=1 and its model runner held at a gate."""
+    path, _ = tiny_llama
+    core = LLMEngine(EngineArgs(model=str(path), dtype="float32", device="cpu",
+                                skip_tokenizer_init=True, max_num_seqs=1,
+                                num_gpu_blocks_override=32, max_model_len=64))
+    entered, release = threading.Event(), threading.Event()
+    execute = core.model_runner.execute_model
+
+    def gated_execute(sched):
+        entered.set()
+        assert release.wait(60), "the test never released the step"
+        return execute(sched)
+
+    core.model_runner.execute_model = gated_execute
+    stats = PrometheusStatLogger("tiny", 64)
+    llm = AsyncLLM(core, stats, num_threads=1)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=2)
+    seen = {}
+
+    async def main():
+        # Both adds are queued before the engine thread starts, so that it applies them
+        # together (an add completes only between steps, and the first step will block).
+        adds = [asyncio.ensure_future(llm.add_request(f"r{i}", [5, 6, 7, 8 + i], params))
+                for i in range(2)]
+        await asyncio.sleep(0)
+        llm.start()
+        streams = await asyncio.gather(*adds)
+        # The first step (r0's prefill; r1 queued: max_num_seqs=1) is now held at the gate.
+        assert await asyncio.to_thread(entered.wait, 60)
+        seen["running"] = _gauge(stats, "vllm:num_requests_running")
+        seen["waiting"] = _gauge(stats, "vllm:num_requests_waiting")
+        release.set()
+        return [await _last(s) for s in streams]
+
+    try:
+        outs = run(main())
+    finally:
+        release.set()
+        llm.shutdown()
+    assert seen == {"running": 1, "waiting": 1}
+    assert all(o.finished and len(o.outputs[0].token_ids) == 2 for o in outs)

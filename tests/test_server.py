@@ -10,6 +10,7 @@ import asyncio
 import gc
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 import pagedserve
@@ -146,17 +148,29 @@ def value(m: dict, name: str, **labels) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def wait_idle(http: httpx.Client, timeout: float = 30) -> dict:
-    """Poll /metrics until no request runs or waits and the KV cache is empty."""
-    deadline = time.monotonic() + timeout
-    while True:
+WAIT = 300  # seconds: a deadline for conditions the server reaches soon, on a loaded machine
+
+
+def wait_idle(http: httpx.Client, timeout: float = WAIT) -> dict:
+    """Poll /metrics until no request runs or waits and the KV cache is empty; return the
+    metrics then (fails the test after ``timeout`` s)."""
+    def idle():
         m = metrics(http)
-        idle = (value(m, "vllm:num_requests_running") == 0
-                and value(m, "vllm:num_requests_waiting") == 0
-                and value(m, "vllm:kv_cache_usage_perc") == 0)
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
+        return m if (value(m, "vllm:num_requests_running") == 0
+                     and value(m, "vllm:num_requests_waiting") == 0
+                     and value(m, "vllm:kv_cache_usage_perc") == 0) else None
+
+    return wait_until(idle, timeout, "the server to be idle")
+
+
+def wait_metric(http: httpx.Client, name: str, want: float, timeout: float = WAIT,
+                **labels) -> dict:
+    """Poll /metrics until ``name{labels}`` equals ``want``; return the metrics then."""
+    def reached():
+        m = metrics(http)
+        return m if value(m, name, **labels) == want else None
+
+    return wait_until(reached, timeout, f"{name}{labels or ''} == {want}")
 
 
 # -- 1. results equal the offline API; streaming equals non-streaming -----------------------
@@ -330,23 +344,28 @@ def test_disconnect_aborts_and_frees_kv_cache(ready, http):
             line = next(lines)
             if line.startswith("data: "):
                 events.append(line)
-        deadline = time.monotonic() + 10  # the gauge is set after each step
-        while (running := value(metrics(http), "vllm:num_requests_running")) != 1:
-            assert time.monotonic() < deadline, (running, events)
-            time.sleep(0.05)
+        wait_metric(http, "vllm:num_requests_running", 1)
+    abort = value(before, "vllm:request_success_total", finished_reason="abort")
+    wait_metric(http, "vllm:request_success_total", abort + 1, finished_reason="abort")
     m = wait_idle(http)
     assert value(m, "vllm:num_requests_running") == 0
     assert value(m, "vllm:kv_cache_usage_perc") == 0
 
-    # Non-streaming: the client times out and hangs up.
+    # Non-streaming: the client hangs up once the request runs (a raw socket, so that the
+    # hang-up comes after the engine has the request however slow the machine is).
     body["stream"] = False
-    with pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/completions", json=body, timeout=httpx.Timeout(300, read=1.5))
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", ready.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        wait_metric(http, "vllm:num_requests_running", 1)
+    wait_metric(http, "vllm:request_success_total", abort + 2, finished_reason="abort")
     m = wait_idle(http)
     assert value(m, "vllm:num_requests_running") == 0
     assert value(m, "vllm:kv_cache_usage_perc") == 0
-    aborted = (value(m, "vllm:request_success_total", finished_reason="abort")
-               - value(before, "vllm:request_success_total", finished_reason="abort"))
+    aborted = value(m, "vllm:request_success_total", finished_reason="abort") - abort
     assert aborted == 2
     tokens = value(m, "vllm:generation_tokens_total") - value(before, "vllm:generation_tokens_total")
     assert tokens < 2 * 900  # neither ran to the end
@@ -409,6 +428,10 @@ ERROR_CASES = [
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user"}]},
      400, "messages[1].content"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": None}]}, 400, "messages[0].content"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400,
+     "messages[0].role"),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_OK, "logprobs": True,
                                       "top_logprobs": 50}, 400, "top_logprobs"),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_OK,
@@ -661,6 +684,67 @@ def test_chat_echo_prepends_the_assistant_message(http, reference):
         "model": MODEL, "messages": CHATS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
         "echo": True}).json()
     assert r["choices"][0]["message"]["content"] == reference["chats"][0].outputs[0].text
+
+
+def test_cache_config_info(ready, http):
+    """vLLM's info gauge: value 1, the cache configuration as labels; num_gpu_blocks is the
+    pool the engine really built (its start log line)."""
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    [sample] = families["vllm:cache_config_info"].samples
+    blocks, block_size = re.search(r"KV cache: (\d+) blocks x (\d+) tokens",
+                                   ready.log_text()).groups()
+    assert sample.value == 1
+    assert sample.labels == {
+        "engine": "0", "block_size": block_size, "num_gpu_blocks": blocks,
+        "cache_dtype": "auto", "enable_prefix_caching": "True",
+        "gpu_memory_utilization": "None", "kv_cache_memory_bytes": "None",
+        "num_gpu_blocks_override": "None"}
+    assert block_size == "16" and int(blocks) > 0
+
+
+# -- the OpenAPI document agrees with what the server accepts -------------------------------
+
+
+@pytest.fixture(scope="module")
+def openapi(http):
+    r = http.get("/openapi.json")
+    assert r.status_code == 200
+    return r
+
+
+@pytest.mark.parametrize(("path", "model"), [("/v1/completions", "CompletionRequest"),
+                                             ("/v1/chat/completions", "ChatCompletionRequest")])
+def test_openapi_examples_are_accepted(http, openapi, path, model):
+    spec = openapi.json()
+    ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert ref == {"$ref": f"#/components/schemas/{model}"}
+    examples = spec["components"]["schemas"][model]["examples"]
+    assert len(examples) >= 2
+    for body in examples:
+        r = http.post(path, json=body)
+        assert r.status_code == 200, (body, r.text)
+
+
+def test_openapi_bounds_messages_and_health(openapi):
+    spec = json.loads(openapi.text)  # Python's json keeps big integers exact
+    schemas = spec["components"]["schemas"]
+    for model in ("CompletionRequest", "ChatCompletionRequest"):
+        [seed] = [s for s in schemas[model]["properties"]["seed"]["anyOf"]
+                  if s["type"] == "integer"]
+        assert (seed["minimum"], seed["maximum"]) == (-(2**63), 2**64 - 1)
+        assert type(seed["minimum"]) is int and type(seed["maximum"]) is int
+    assert "e+" not in openapi.text  # no float exponent anywhere in the document
+    # content is required (and not nullable) except on an assistant message
+    for name in ("SystemMessage", "UserMessage", "ToolMessage"):
+        assert "content" in schemas[name]["required"], name
+        assert {"type": "null"} not in schemas[name]["properties"]["content"]["anyOf"]
+    assert "content" not in schemas["AssistantMessage"].get("required", [])
+    health = spec["paths"]["/health"]["get"]["responses"]
+    assert set(health) == {"200", "503"} and all("content" not in r for r in health.values())
+    errors = spec["paths"]["/v1/completions"]["post"]["responses"]
+    assert "422" not in errors  # validation errors are 400s in OpenAI's format
+    assert errors["4XX"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorResponse"}
 
 
 # -- shutdown (last: it stops the shared server) ------------------------------------------

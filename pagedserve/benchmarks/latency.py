@@ -23,15 +23,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from pagedserve.benchmarks.datasets import random_samples
 from pagedserve.engine.args import EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs
+    import torch
+
+    from pagedserve.engine.llm_engine import LLMEngine
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -67,6 +71,8 @@ def summarize(latencies: list[float]) -> dict:
 
 def iteration_flops(engine: LLMEngine, batch_size: int, input_len: int, output_len: int) -> float:
     """Matmul FLOPs of one iteration (see the module docstring)."""
+    import torch
+
     model, config = engine.model, engine.hf_config
     linear = sum(m.weight.numel() for m in model.layers.modules()
                  if isinstance(m, torch.nn.Linear))
@@ -80,6 +86,8 @@ def iteration_flops(engine: LLMEngine, batch_size: int, input_len: int, output_l
 
 def gemm_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of an ``n``-cubed ``torch.mm`` in ``dtype`` on the CPU (median of ``repeats``)."""
+    import torch
+
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
     times = []
@@ -106,6 +114,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"{name} must be >= 1; got {getattr(args, name)}")
     if args.num_iters_warmup < 0:
         raise ValueError(f"num_iters_warmup must be >= 0; got {args.num_iters_warmup}")
+    from pagedserve.engine.llm_engine import LLMEngine
+
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     if args.input_len + args.output_len > engine.max_model_len:
         raise ValueError(f"input_len + output_len ({args.input_len + args.output_len}) exceeds "

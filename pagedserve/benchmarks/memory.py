@@ -16,10 +16,13 @@ import argparse
 import json
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedserve.engine.args import EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs
+    from pagedserve.engine.llm_engine import LLMEngine
 
 
 @dataclass
@@ -134,6 +137,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pagedserve.engine.llm_engine import LLMEngine
+
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     trace = make_trace(args.num_prompts, args.trace_seed,
                        engine.hf_config.vocab_size)

@@ -18,13 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from pagedserve.benchmarks import datasets
 from pagedserve.engine.args import EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs
+    from pagedserve.engine.llm_engine import LLMEngine
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +97,8 @@ def print_report(r: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pagedserve.engine.llm_engine import LLMEngine
+
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     samples = datasets.get_samples(args, engine.tokenizer, engine.hf_config.vocab_size,
                                    engine.max_model_len)

@@ -142,8 +142,9 @@ class AsyncLLM:
     Args:
         engine: a constructed engine; from now on only the engine thread touches it.
         stat_logger: object with ``record(SchedulerStats | None, IterationStats | None)``
-            (``pagedserve.metrics.PrometheusStatLogger``), called on the engine thread after
-            every step and every batch of adds/aborts; or None.
+            (``pagedserve.metrics.PrometheusStatLogger``), called on the engine thread when
+            a step is scheduled (before the model runs), after every step and every batch
+            of adds/aborts; or None.
         num_threads: ``torch.set_num_threads`` for the engine thread (default: the value of
             the constructing thread), so no other thread adds intra-op threads.
 
@@ -299,7 +300,9 @@ class AsyncLLM:
                 self._record(None)
                 continue
             try:
-                outputs = self.engine.step()
+                # Gauges also refresh once the step is scheduled: a request in a long
+                # prefill step reads as running while it computes, not after.
+                outputs = self.engine.step(on_scheduled=self._record_scheduled)
             except Exception as err:  # a bug or device failure: fail what is in flight
                 logger.exception("engine step failed; aborting %d requests", len(self._requests))
                 self._drop_all(EngineStepError(f"engine step failed: {err!r}"))
@@ -436,6 +439,9 @@ class AsyncLLM:
             inference_time=max(0.0, last - scheduled),
             decode_time=max(0.0, last - first),
         )
+
+    def _record_scheduled(self) -> None:
+        self._record(None)
 
     def _record(self, stats: IterationStats | None) -> None:
         if self.stat_logger is None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
-from dataclasses import replace
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, replace
 
 import torch
 
@@ -319,12 +319,19 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of requests that made progress."""
+    def step(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of requests that made progress.
+
+        ``on_scheduled`` (if given) is called once the step is scheduled and before the
+        model runs, so that observers (the server's metrics) see the requests of a long
+        step as running while it computes; it is not called for an empty step.
+        """
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         self.output_processor.mark_scheduled(sched.requests)
+        if on_scheduled is not None:
+            on_scheduled()
         try:
             out = self.model_runner.execute_model(sched)
         except Exception:
@@ -337,6 +344,15 @@ class LLMEngine:
         self.scheduler.finish_requests([r.request_id for r in stopped],
                                        RequestStatus.FINISHED_STOPPED)
         return [self.output_processor.make_output(parent) for parent in touched]
+
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV cache configuration as strings, for vLLM's ``vllm:cache_config_info``
+        labels (vLLM's ``CacheConfig.metrics_info``: ``str()`` of each value, so ``None``,
+        ``True``): the ``CacheConfig`` fields, ``num_gpu_blocks`` (the pool's real size) and
+        ``cache_dtype`` (``auto``: the KV cache has the model's dtype, vLLM's default)."""
+        info = {k: str(v) for k, v in asdict(self.cache_config).items()}
+        info.update(num_gpu_blocks=str(self.num_blocks), cache_dtype="auto")
+        return info
 
     def kv_cache_stats(self) -> KVCacheStats:
         num_tokens = sum(r.num_computed_tokens for r in self.scheduler.running)

@@ -27,17 +27,21 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedserve
 from pagedserve.engine.args import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.entrypoints.openai.protocol import (
+    MESSAGE_ROLES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
@@ -58,18 +62,33 @@ logger = logging.getLogger("pagedserve.server")
 
 
 def _loc_to_param(loc: tuple) -> str | None:
-    """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``."""
+    """``("body", "messages", 0, "user", "content")`` -> ``"messages[0].content"``."""
     parts = [p for p in loc if p != "body"]
-    # Drop the names of union members (pydantic adds e.g. "str", "list[int]").
+    # Drop the names of union members (pydantic adds e.g. "str", "list[int]") and the role
+    # tag pydantic puts after a message's index (messages are a union chosen by role).
     out = ""
-    for p in parts:
+    for i, p in enumerate(parts):
         if isinstance(p, int):
             out += f"[{p}]"
-        elif "[" in p or p in ("str", "int", "float", "bool") or p[:1].isupper():
-            continue
-        else:
+        elif not _is_union_member(p, parts[i - 1] if i else None):
             out += f".{p}" if out else p
     return out or None
+
+
+def _is_union_member(part: str, before: str | int | None) -> bool:
+    if "[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper():
+        return True
+    return part in MESSAGE_ROLES and isinstance(before, int)
+
+
+def _error_param(err: dict) -> str | None:
+    """The request field an error is about; for a bad or missing union tag (a message's
+    ``role``), the tag field itself."""
+    param = _loc_to_param(tuple(err.get("loc", ())))
+    if err.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        tag = str(err.get("ctx", {}).get("discriminator", "")).strip("'")
+        param = f"{param}.{tag}" if param else tag
+    return param
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -85,14 +104,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "the request body is missing; send a JSON object")
     messages = []
     for err in errors[:5]:
-        param = _loc_to_param(tuple(err.get("loc", ())))
+        param = _error_param(err)
         value = err.get("input")
         shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
         where = f"'{param}'" if param else "the request body"
         messages.append(f"Invalid value for {where}: {err.get('msg')} (got {shown})")
     if len(errors) > 5:
         messages.append(f"... and {len(errors) - 5} more")
-    return APIError(400, "; ".join(messages), param=_loc_to_param(tuple(first.get("loc", ()))))
+    return APIError(400, "; ".join(messages), param=_error_param(first))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -141,6 +160,62 @@ class APIKeyMiddleware:
         await err.response()(scope, receive, send)
 
 
+# -- the OpenAPI document -------------------------------------------------------------
+
+# Every API error has OpenAI's body (declaring 4XX/5XX also drops FastAPI's default 422,
+# which this server never sends: validation errors are 400s).
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse, "description": "Bad request, unknown model or route, "
+                                                   "missing API key (OpenAI's error body)"},
+    "5XX": {"model": ErrorResponse, "description": "Shutting down (OpenAI's error body)"},
+}
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _int_bounds(schema: Any, found: dict[float, int]) -> None:
+    """Collect the bounds of integer schemas in ``schema`` as ``float(bound) -> bound``."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            for key in _BOUNDS:
+                if isinstance(schema.get(key), int):
+                    found[float(schema[key])] = schema[key]
+        for value in schema.values():
+            _int_bounds(value, found)
+    elif isinstance(schema, list):
+        for value in schema:
+            _int_bounds(value, found)
+
+
+def _restore_int_bounds(schema: Any, exact: dict[float, int]) -> None:
+    """Put back the exact integer bounds that FastAPI's OpenAPI model turned into floats
+    (its ``maximum`` is a float field: 2**64 - 1 became 1.8446744073709552e+19)."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            for key in _BOUNDS:
+                if isinstance(schema.get(key), float):
+                    schema[key] = exact.get(schema[key], schema[key])
+        for value in schema.values():
+            _restore_int_bounds(value, exact)
+    elif isinstance(schema, list):
+        for value in schema:
+            _restore_int_bounds(value, exact)
+
+
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    """``/openapi.json``: FastAPI's document, built from the request models that validate,
+    with integer bounds exact as those models state them (``seed`` up to 2**64 - 1)."""
+    if app.openapi_schema is None:
+        spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        exact: dict[float, int] = {}
+        for route in app.routes:
+            body = getattr(route, "body_field", None)
+            if body is not None:
+                _int_bounds(TypeAdapter(body.field_info.annotation).json_schema(), exact)
+        _restore_int_bounds(spec, exact)
+        app.openapi_schema = spec
+    return app.openapi_schema
+
+
 # -- the app --------------------------------------------------------------------------
 
 
@@ -169,6 +244,7 @@ def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = No
         ctx.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    app.openapi = lambda: openapi_document(app)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -181,7 +257,10 @@ def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = No
         return ModelCard(id=ctx.served_model_name, created=created, root=ctx.model_root,
                          max_model_len=ctx.max_model_len)
 
-    @app.get("/health")
+    # Empty bodies (as vLLM): documented without a JSON content schema.
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "The engine runs (empty body)"},
+        503: {"description": "The engine does not run (empty body)"}})
     async def health() -> Response:
         """200 while the engine thread runs, else 503."""
         return Response(status_code=200 if ctx.engine.is_running else 503)
@@ -190,31 +269,32 @@ def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = No
     async def version() -> dict:
         return {"version": pagedserve.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text format", "content": {"text/plain": {}}}})
     async def metrics() -> Response:
         if stat_logger is None:
             raise APIError(404, "metrics are disabled")
         return Response(stat_logger.render(), media_type=stat_logger.CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_ERROR_RESPONSES)
     async def list_models() -> Response:
         return Response(ModelList(data=[model_card()]).model_dump_json(),
                         media_type="application/json")
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_ERROR_RESPONSES)
     async def retrieve_model(model_id: str) -> Response:
         ctx.check_model(model_id)
         return Response(model_card().model_dump_json(), media_type="application/json")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await completion.create_completion(body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create_chat_completion(body, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> Response:
         ctx.check_model(body.model)
         if ctx.tokenizer is None:
@@ -236,7 +316,7 @@ def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = No
                                token_strs=strs)
         return Response(out.model_dump_json(), media_type="application/json")
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> Response:
         ctx.check_model(body.model)
         if ctx.tokenizer is None:
@@ -324,6 +404,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     core = engine.engine
     name, aliases = served_names(args, core.model_path)
     stat_logger = PrometheusStatLogger(name, core.max_model_len)
+    stat_logger.log_cache_config_info(core.cache_config_info())
     engine.stat_logger = stat_logger
     ctx = ServingContext(engine=engine, served_model_name=name, model_aliases=aliases,
                          model_root=str(core.model_path), tokenizer=core.tokenizer,

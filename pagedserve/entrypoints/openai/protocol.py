@@ -6,16 +6,24 @@ vLLM's ``vllm/entrypoints/openai/protocol.py`` for the extras (``top_k``, ``min_
 ``skip_special_tokens``, ``include_stop_str_in_output``; ``/tokenize`` and ``/detokenize``).
 
 Request models validate types strictly (``"0.5"`` is not a number, ``1`` is not a bool), as
-OpenAI does; unknown fields are accepted and ignored, as vLLM does. Response models are
-serialized with every field present (``null`` where OpenAI sends ``null``).
+OpenAI does; unknown fields are accepted and ignored, as vLLM does, and their names are
+logged at DEBUG level. Response models are serialized with every field present (``null``
+where OpenAI sends ``null``).
+
+The server's OpenAPI document (``/openapi.json``) is generated from these same models, so
+what it publishes is what they accept; the request models carry ``examples`` that the
+server accepts as they are.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
 
 # Any int torch.Generator.manual_seed takes.
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
@@ -25,9 +33,18 @@ MIN_LOGPROB = -9999.0
 
 
 class OpenAIBaseModel(BaseModel):
-    """Strict types; unknown fields allowed (and ignored)."""
+    """Strict types; unknown fields allowed, ignored, and their names logged at DEBUG
+    level (vLLM's ``OpenAIBaseModel`` logs them too; a warning per request would flood the
+    log of a server whose clients send fields of other APIs)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="after")
+    def _log_ignored_fields(self):
+        if self.model_extra:
+            logger.debug("The following fields were present in the request but ignored: %s",
+                         sorted(self.model_extra))
+        return self
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -106,6 +123,12 @@ class CompletionRequest(SamplingFields):
     ``prompt_logprobs`` (vLLM extra): top-N logprobs of every prompt token, returned per
     choice; not with ``stream``.
     """
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        {"prompt": [[504, 3575, 282], [1206, 1112]], "max_tokens": 4, "n": 2, "seed": 7,
+         "logprobs": 2, "stop": ["\n"]},
+    ]})
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -190,12 +213,48 @@ class ContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
-class ChatMessage(OpenAIBaseModel):
-    """A conversation message; ``content`` is a string or a list of text parts."""
+MessageContent = str | list[ContentPart]
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+
+class SystemMessage(OpenAIBaseModel):
+    """A system (or ``developer``) message; ``content`` is required."""
+
+    role: Literal["system", "developer"]
+    content: MessageContent
     name: str | None = None
+
+
+class UserMessage(OpenAIBaseModel):
+    """A user message; ``content`` is required."""
+
+    role: Literal["user"]
+    content: MessageContent
+    name: str | None = None
+
+
+class AssistantMessage(OpenAIBaseModel):
+    """An assistant message: the only role whose ``content`` may be omitted or null
+    (OpenAI's rule, for turns that carry only tool calls)."""
+
+    role: Literal["assistant"]
+    content: MessageContent | None = None
+    name: str | None = None
+
+
+class ToolMessage(OpenAIBaseModel):
+    """A tool result; ``content`` is required."""
+
+    role: Literal["tool"]
+    content: MessageContent
+    name: str | None = None
+
+
+# A conversation message, chosen by ``role`` (a discriminated union: the OpenAPI document
+# publishes which roles require ``content``, as OpenAI's reference does); ``content`` is a
+# string or a list of text parts.
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage,
+                        Field(discriminator="role")]
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -209,6 +268,16 @@ class ChatCompletionRequest(SamplingFields):
     ``messages`` with the generation prompt. ``max_completion_tokens`` wins over the older
     ``max_tokens``; None means up to ``max_model_len``. ``echo`` (vLLM extra): when the last
     message is the assistant's, its content starts the reply."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+         "max_completion_tokens": 16, "temperature": 0},
+        {"messages": [{"role": "system", "content": "You answer in one word."},
+                      {"role": "user", "content": [{"type": "text", "text": "Name a color."}]},
+                      {"role": "assistant", "content": None},
+                      {"role": "user", "content": "Another one?"}],
+         "max_tokens": 8, "seed": 7, "stream": True, "stream_options": {"include_usage": True}},
+    ]})
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = False

@@ -159,12 +159,9 @@ class ServingContext:
 def message_to_dict(message: ChatMessage, index: int) -> dict:
     """A message as the chat template wants it; text parts are joined with newlines.
 
-    Raises ``APIError`` 400 for non-text parts, and for a missing ``content`` except on an
-    assistant message (OpenAI's rule: only an assistant turn may carry none)."""
+    Raises ``APIError`` 400 for non-text parts. (A missing ``content`` is rejected by the
+    message models already, except on an assistant turn, where it renders as "".)"""
     content = message.content
-    if content is None and message.role != "assistant":
-        raise APIError(400, f"Missing required parameter: 'messages[{index}].content'",
-                       param=f"messages[{index}].content")
     if isinstance(content, list):
         texts = []
         for part in content:
