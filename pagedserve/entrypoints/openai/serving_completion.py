@@ -35,7 +35,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     sse_error,
     until_disconnected,
 )
-from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def normalize_prompts(prompt) -> list[str | dict]:
@@ -117,7 +117,8 @@ class OpenAIServingCompletion:
         return await until_disconnected(raw, self._full(req, request_id, streams, n))
 
     async def _echo_info(self, out: RequestOutput) -> tuple[str, str]:
-        """(prompt text, text of the first prompt token) for ``echo``."""
+        """(prompt text, text of the first prompt token) for ``echo``; the text of a sample
+        is ``echo_prefix(prompt text, sample)`` + the sample's text."""
         tok = self.ctx.tokenizer
         if tok is None:
             return out.prompt or "", ""
@@ -151,8 +152,9 @@ class OpenAIServingCompletion:
                         token_ids = list(out.prompt_token_ids) + token_ids
                         entries = list(out.prompt_logprobs or []) + entries
                     logprobs = builder.build(token_ids, entries, first_token)
+                text = echo_prefix(prompt_text, c) + c.text if req.echo else c.text
                 choices.append(CompletionResponseChoice(
-                    index=i * n + c.index, text=prompt_text + c.text, logprobs=logprobs,
+                    index=i * n + c.index, text=text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         body = CompletionResponse(id=request_id, model=self.ctx.served_model_name,
@@ -184,10 +186,12 @@ class OpenAIServingCompletion:
                     completion_tokens[idx] = len(c.token_ids)
                     if idx in done:
                         continue
+                    if idx not in sent_text and req.echo and not (c.text or c.finish_reason):
+                        continue  # the echoed prompt's end is known once text exists
                     text, logprobs = c.text[sent_text.get(idx, 0):], None
                     if idx not in sent_text and req.echo:
                         prompt_text, first_token = await self._echo_info(out)
-                        text = prompt_text + text
+                        text = echo_prefix(prompt_text, c) + text
                         if req.logprobs is not None:
                             builders[idx] = LogprobsBuilder(req.logprobs)
                             logprobs = builders[idx].build(list(out.prompt_token_ids),
@@ -217,6 +221,13 @@ class OpenAIServingCompletion:
         except Exception as err:  # noqa: BLE001 - shutdown, step failure: tell the client in-band
             yield sse_error(err)
         yield sse("[DONE]")
+
+
+def echo_prefix(prompt_text: str, c: CompletionOutput) -> str:
+    """The prompt text echoed before sample ``c``: the longest common prefix of
+    ``decode(prompt)`` and ``decode(prompt + output)``, so that echo + ``c.text`` equals the
+    latter even when the prompt ends inside a character that the output completes."""
+    return prompt_text[: len(prompt_text) - c.prompt_text_trim]
 
 
 def _concat(a: CompletionLogProbs | None, b: CompletionLogProbs) -> CompletionLogProbs:
