@@ -32,6 +32,13 @@ class CompletionOutput:
         logprobs: per generated token, when ``SamplingParams.logprobs`` is set.
         finish_reason: ``stop`` | ``length`` | ``abort`` once finished, else None.
         stop_reason: the stop string or stop token id that ended it, else None.
+        prompt_text_trim: for ``echo`` (not in vLLM): how many characters at the end of
+            ``decode(prompt_token_ids)`` this sample re-decodes differently. A prompt that
+            ends inside a UTF-8 character decodes to U+FFFD there; when the output completes
+            the character, the character belongs to ``text``, so the echoed prompt is
+            ``decode(prompt)[:len - prompt_text_trim]`` and echo + ``text`` ==
+            ``decode(prompt + output)``. 0 for any prompt that ends on a character boundary.
+            Final once ``text`` is non-empty or the sample finished.
     """
 
     index: int
@@ -41,6 +48,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_text_trim: int = 0
 
     def finished(self) -> bool:
         return self.finish_reason is not None

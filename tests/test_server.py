@@ -3,7 +3,9 @@ loopback port, driven by the official `openai` client (and httpx for raw checks)
 
 One server is shared by the whole module (the model loads once); the SIGTERM test runs
 last and stops it. Greedy results are compared with the offline `LLM` API, loaded in this
-process while the server starts.
+process while the server starts. Every streamed greedy or seeded request sent through the
+`client` and `http` fixtures is also checked against its non-streamed twin
+(`stream_twins.py`).
 """
 
 import asyncio
@@ -24,6 +26,13 @@ import pytest
 import torch
 from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
+from stream_twins import (
+    PATHS,
+    AsyncTwinCheckTransport,
+    TwinChecker,
+    TwinCheckTransport,
+    stream_result,
+)
 
 import pagedserve
 from pagedserve import LLM, SamplingParams
@@ -38,6 +47,19 @@ CHATS = [
     [{"role": "system", "content": "You answer in one word."},
      {"role": "user", "content": "Name a color."}],
 ]
+# The inputs of issue 12, items 3-5 (all greedy): path, body. Their offline token ids are in
+# reference["text_cases"]; test_output_text_rules derives the expected text from them.
+TEXT_CASES = {
+    "stop_string": ("/v1/completions", {"prompt": "Here is the English alphabet: ABC",
+                                        "max_tokens": 40, "stop": ["DEFGHIJ"]}),
+    "emoji": ("/v1/completions", {"prompt": "My favourite emojis are 🎉👍", "max_tokens": 40}),
+    # "Hello world " and 3 of the 4 bytes of a 4-byte emoji
+    "partial_prompt": ("/v1/completions", {"prompt": [19556, 905, 15107, 230], "max_tokens": 8}),
+    "stop_token": ("/v1/completions", {"prompt": "The theory of relativity was developed by",
+                                       "max_tokens": 30, "stop_token_ids": [260]}),
+    "eos": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say OK."}],
+                                     "max_tokens": 64, "skip_special_tokens": False}),
+}
 START_TIMEOUT = 600  # seconds; the shared 2-core machine can be very slow under load
 
 
@@ -94,6 +116,17 @@ def server(tmp_path_factory):
     srv.stop()
 
 
+def _offline(llm: LLM, path: str, body: dict):
+    """The offline greedy result of a ``TEXT_CASES`` request."""
+    fields = {k: v for k, v in body.items() if k not in ("prompt", "messages")}
+    params = SamplingParams(temperature=0, **fields)
+    if path == "/v1/chat/completions":
+        return llm.chat(body["messages"], params, use_tqdm=False)[0]
+    prompt = body["prompt"]
+    prompt = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+    return llm.generate([prompt], params, use_tqdm=False)[0]
+
+
 @pytest.fixture(scope="module")
 def reference(server):
     """Offline greedy results, computed while the server loads (it started first)."""
@@ -104,12 +137,14 @@ def reference(server):
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
         completions = llm.generate(PROMPTS, params, use_tqdm=False)
         chats = llm.chat(CHATS, params, use_tqdm=False)
+        text_cases = {name: _offline(llm, path, body) for name, (path, body) in TEXT_CASES.items()}
         tokenizer = llm.get_tokenizer()
         del llm
         gc.collect()
     finally:
         torch.set_num_threads(threads)
-    return {"completions": completions, "chats": chats, "tokenizer": tokenizer}
+    return {"completions": completions, "chats": chats, "tokenizer": tokenizer,
+            "text_cases": text_cases}
 
 
 @pytest.fixture(scope="module")
@@ -120,14 +155,21 @@ def ready(server, reference):
 
 
 @pytest.fixture(scope="module")
-def client(ready):
-    return openai.OpenAI(base_url=ready.url + "/v1", api_key=API_KEY, max_retries=0,
-                         timeout=300)
+def twins():
+    """Counts the streams checked against their non-streamed twins in this module."""
+    return TwinChecker()
 
 
 @pytest.fixture(scope="module")
-def http(ready):
-    with httpx.Client(base_url=ready.url, timeout=300,
+def client(ready, twins):
+    http_client = httpx.Client(transport=TwinCheckTransport(twins), timeout=300)
+    return openai.OpenAI(base_url=ready.url + "/v1", api_key=API_KEY, max_retries=0,
+                         timeout=300, http_client=http_client)
+
+
+@pytest.fixture(scope="module")
+def http(ready, twins):
+    with httpx.Client(base_url=ready.url, timeout=300, transport=TwinCheckTransport(twins),
                       headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         yield c
 
@@ -285,15 +327,120 @@ def test_models_version_tokenize(client, http, reference):
     assert r["tokens"] == reference["chats"][0].prompt_token_ids
 
 
+# -- output text rules (issue 12, items 3-5), streamed and not -------------------------------
+
+
+def _rule_text(case: str, extra: dict, tok, prompt_ids: list[int], ids: list[int]) -> str:
+    """The expected text, from ``tok.decode`` and the stated rules: the token that stopped
+    the request adds no text unless ``include_stop_str_in_output``; the completion is
+    decode(prompt + output) minus its longest common prefix with decode(prompt) (all of it
+    with ``echo``); a stop string cuts the text before it."""
+    skip = case != "eos"
+    if case in ("stop_token", "eos") and not extra.get("include_stop_str_in_output"):
+        ids = ids[:-1]
+    full = tok.decode(prompt_ids + ids, skip_special_tokens=skip)
+    if extra.get("echo"):
+        return full
+    common = os.path.commonprefix([full, tok.decode(prompt_ids, skip_special_tokens=skip)])
+    text = full[len(common):]
+    return text[: text.index("DEFGHIJ")] if case == "stop_string" else text
+
+
+def test_text_cases_reach_their_edge(reference):
+    """The inputs really hit the cases the rules are about."""
+    tok, cases = reference["tokenizer"], reference["text_cases"]
+    assert tok.decode(cases["stop_string"].outputs[0].token_ids).startswith("DEFGHIJ")
+    emoji = cases["emoji"].outputs[0]
+    assert emoji.finish_reason == "length" and tok.decode(emoji.token_ids).endswith("\ufffd")
+    partial = cases["partial_prompt"]
+    assert tok.decode(partial.prompt_token_ids + partial.outputs[0].token_ids).startswith(
+        "Hello world \U0001f30d")  # the output completes the prompt's last character
+    assert cases["stop_token"].outputs[0].token_ids[-1] == 260
+    assert tok.decode([260]) == " the"
+    assert cases["eos"].outputs[0].token_ids[-1] == tok.eos_token_id
+
+
+TEXT_VARIANTS = [  # (case, extra request fields)
+    ("stop_string", {}), ("emoji", {}), ("partial_prompt", {}), ("partial_prompt", {"echo": True}),
+    ("stop_token", {}), ("stop_token", {"include_stop_str_in_output": True}),
+    ("eos", {}), ("eos", {"include_stop_str_in_output": True}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("case", "extra"), TEXT_VARIANTS)
+def test_output_text_rules(http, reference, twins, case, extra, stream):
+    path, body = TEXT_CASES[case]
+    ref = reference["text_cases"][case]
+    ids = ref.outputs[0].token_ids
+    want = _rule_text(case, extra, reference["tokenizer"], ref.prompt_token_ids, ids)
+    req = {"model": MODEL, "temperature": 0, **body, **extra}
+    if stream:
+        req |= {"stream": True, "stream_options": {"include_usage": True}}
+    checked = twins.checked
+    r = http.post(path, json=req)
+    assert r.status_code == 200, r.text
+    chat = PATHS[path]
+    if stream:
+        got = stream_result(r.content, chat)
+        (choice,) = got["choices"].values()
+        text, reason, usage = choice["text"], choice["finish_reason"], got["usage"]
+        assert twins.checked == checked + 1  # and equal to its non-streamed twin
+    else:
+        (choice,) = r.json()["choices"]
+        text = choice["message"]["content"] if chat else choice["text"]
+        reason, usage = choice["finish_reason"], r.json()["usage"]
+    assert text == want
+    assert reason == ref.outputs[0].finish_reason
+    assert usage["completion_tokens"] == len(ids)  # the stopping token still counts
+
+
+def test_twin_check_catches_a_difference():
+    """The stream == non-stream check fails on a stream that sent the start of a stop string
+    (the bug of item 3), and passes and counts an equal one. No server needed."""
+    sse = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in [
+        {"choices": [{"index": 0, "text": "DEFG", "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}]) + b"data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body.get("stream"):
+            return httpx.Response(200, stream=httpx.ByteStream(sse))  # not read yet
+        text = "" if body["prompt"] == "bug" else "DEFG"
+        return httpx.Response(200, json={"choices": [
+            {"index": 0, "text": text, "finish_reason": "stop"}]})
+
+    twins = TwinChecker()
+    transport = TwinCheckTransport(twins, httpx.MockTransport(handler))
+    with httpx.Client(transport=transport, base_url="http://test") as c:
+        body = {"model": MODEL, "temperature": 0, "stream": True}
+        with pytest.raises(AssertionError, match="stream != non-stream"):
+            c.post("/v1/completions", json=body | {"prompt": "bug"})
+        assert c.post("/v1/completions", json=body | {"prompt": "ok"}).status_code == 200
+        c.post("/v1/completions", json=body | {"prompt": "bug", "temperature": 1})  # not greedy
+    assert twins.checked == 1
+
+    async def send_async(prompt: str) -> None:
+        transport = AsyncTwinCheckTransport(twins, httpx.MockTransport(handler))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            await c.post("/v1/completions", json=body | {"prompt": prompt})
+
+    with pytest.raises(AssertionError, match="stream != non-stream"):
+        asyncio.run(send_async("bug"))
+    asyncio.run(send_async("ok"))
+    assert twins.checked == 2
+
+
 # -- 2. many concurrent streams are batched together ----------------------------------------
 
 
-def test_64_concurrent_streams(ready, http):
+def test_64_concurrent_streams(ready, http, twins):
     before = metrics(http)
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=ready.url + "/v1", api_key=API_KEY,
-                                    max_retries=0, timeout=600)
+        client = openai.AsyncOpenAI(
+            base_url=ready.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600,
+            http_client=httpx.AsyncClient(transport=AsyncTwinCheckTransport(twins), timeout=600))
 
         async def one(i):
             stream = await client.completions.create(
@@ -310,12 +457,15 @@ def test_64_concurrent_streams(ready, http):
         async with client:
             return await asyncio.gather(*(one(i) for i in range(64)))
 
+    checked = twins.checked
     results = asyncio.run(main())
     assert len(results) == 64
     assert all(u.completion_tokens == 6 and reason == "length" for _, u, reason in results)
+    assert twins.checked - checked == 64
     after = wait_idle(http)
+    # The 64 streams and their 64 non-streamed twins.
     assert value(after, "vllm:request_success_total", finished_reason="length") - value(
-        before, "vllm:request_success_total", finished_reason="length") == 64
+        before, "vllm:request_success_total", finished_reason="length") == 2 * 64
     # Steps that produced a token for more than 32 sequences at once.
     def wide(m):
         return (value(m, "pagedserve:iteration_num_seqs_count")

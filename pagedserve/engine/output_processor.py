@@ -15,7 +15,7 @@ from pagedserve.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
-from pagedserve.request import Request
+from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.model_runner import ModelRunnerOutput, TokenLogprobs
 
@@ -102,13 +102,32 @@ class OutputProcessor:
             parent.metrics.last_token_time = now
             if request.request_id in out.logprobs:
                 self._add_logprobs(sample, out.logprobs[request.request_id])
-            if sample.detokenizer is not None:
-                stop = sample.detokenizer.update([token])
-                if stop is not None and not request.is_finished:
-                    request.stop_reason = stop
-                    stopped.append(request)
+            if sample.detokenizer is not None and self._detokenize(sample.detokenizer, request,
+                                                                   token):
+                stopped.append(request)
             touched[parent.request_id] = parent
         return list(touched.values()), stopped
+
+    @staticmethod
+    def _detokenize(detok: IncrementalDetokenizer, request: Request, token: int) -> bool:
+        """Add ``token``'s text; True if a stop string ends the (still running) request.
+
+        The scheduler has already applied the token-level rules: a request it stopped on
+        EOS or a stop token id gets no text from that token (vLLM's ``stop_terminated``,
+        unless ``include_stop_str_in_output``). A request that ended gets its pending bytes
+        flushed. As vLLM, a stop string found in the last token's text makes the finish
+        reason ``stop`` even when ``max_tokens`` was reached by the same token.
+        """
+        stop = detok.update([token], request.status == RequestStatus.FINISHED_STOPPED)
+        if stop is None and request.is_finished:
+            stop = detok.finish()
+        if stop is None:
+            return False
+        request.stop_reason = stop
+        if not request.is_finished:
+            return True
+        request.status = RequestStatus.FINISHED_STOPPED  # its blocks are already free
+        return False
 
     @staticmethod
     def _index(parent: ParentState, request: Request) -> int:
@@ -147,6 +166,7 @@ class OutputProcessor:
                 index=s.index,
                 text=text,
                 token_ids=list(req.output_token_ids),
+                prompt_text_trim=0 if s.detokenizer is None else s.detokenizer.prompt_text_trim,
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=s.logprobs,
                 finish_reason=req.status.finish_reason,

@@ -133,7 +133,8 @@ class OpenAIServingCompletion:
         return await until_disconnected(raw, self._full(req, request_id, streams, n))
 
     async def _echo_info(self, out: RequestOutput) -> tuple[str, str]:
-        """(prompt text, text of the first prompt token) for ``echo``."""
+        """(prompt text, text of the first prompt token) for ``echo``; the text of a sample
+        is ``echo_prefix(prompt text, sample)`` + the sample's text."""
         tok = self.ctx.tokenizer
         if tok is None:
             return out.prompt or "", ""
@@ -172,8 +173,9 @@ class OpenAIServingCompletion:
                         token_ids = list(out.prompt_token_ids) + token_ids
                         entries = list(out.prompt_logprobs or []) + entries
                     logprobs = builder.build(token_ids, entries, first_token)
+                text = echo_prefix(prompt_text, c) + c.text if req.echo else c.text
                 choices.append(CompletionResponseChoice(
-                    index=i * n + c.index, text=prompt_text + c.text, logprobs=logprobs,
+                    index=i * n + c.index, text=text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     prompt_logprobs=prompt_logprobs))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -208,10 +210,12 @@ class OpenAIServingCompletion:
                     completion_tokens[idx] = len(c.token_ids)
                     if idx in done:
                         continue
+                    if idx not in sent_text and req.echo and not (c.text or c.finish_reason):
+                        continue  # the echoed prompt's end is known once text exists
                     text, logprobs = c.text[sent_text.get(idx, 0):], None
                     if idx not in sent_text and req.echo:
                         prompt_text, first_token = await self._echo_info(out)
-                        text = prompt_text + text
+                        text = echo_prefix(prompt_text, c) + text
                         if req.logprobs is not None:
                             builders[idx] = LogprobsBuilder(req.logprobs)
                             logprobs = builders[idx].build(list(out.prompt_token_ids),
@@ -248,7 +252,8 @@ def _prompt_only(c: CompletionOutput) -> CompletionOutput:
     (vLLM's rule); it ended by length, having generated all 0 tokens it was allowed."""
     return replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
                    cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
-                   finish_reason=c.finish_reason and "length", stop_reason=None)
+                   finish_reason=c.finish_reason and "length", stop_reason=None,
+                   prompt_text_trim=0)
 
 
 def _prompt_logprobs(entries: PromptLogprobs | None, token_ids: list[int],
@@ -266,6 +271,13 @@ def _prompt_logprobs(entries: PromptLogprobs | None, token_ids: list[int],
                     for t, e in entry.items()
                     if t == tid or (e.rank is not None and e.rank <= top)})
     return out
+
+
+def echo_prefix(prompt_text: str, c: CompletionOutput) -> str:
+    """The prompt text echoed before sample ``c``: the longest common prefix of
+    ``decode(prompt)`` and ``decode(prompt + output)``, so that echo + ``c.text`` equals the
+    latter even when the prompt ends inside a character that the output completes."""
+    return prompt_text[: len(prompt_text) - c.prompt_text_trim]
 
 
 def _concat(a: CompletionLogProbs | None, b: CompletionLogProbs) -> CompletionLogProbs:
