@@ -60,6 +60,9 @@ TEXT_CASES = {
     "eos": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say OK."}],
                                      "max_tokens": 64, "skip_special_tokens": False}),
 }
+# n > 1 with a seed (issue 12): n different samples, the same set offline and over HTTP.
+SEEDED_CHAT = [{"role": "user", "content": "Write a one-line slogan for a bakery."}]
+SEEDED_PARAMS = SamplingParams(n=4, temperature=0.9, seed=7, max_tokens=30)
 START_TIMEOUT = 600  # seconds; the shared 2-core machine can be very slow under load
 
 
@@ -138,13 +141,14 @@ def reference(server):
         completions = llm.generate(PROMPTS, params, use_tqdm=False)
         chats = llm.chat(CHATS, params, use_tqdm=False)
         text_cases = {name: _offline(llm, path, body) for name, (path, body) in TEXT_CASES.items()}
+        seeded = llm.chat([SEEDED_CHAT], SEEDED_PARAMS, use_tqdm=False)[0]
         tokenizer = llm.get_tokenizer()
         del llm
         gc.collect()
     finally:
         torch.set_num_threads(threads)
     return {"completions": completions, "chats": chats, "tokenizer": tokenizer,
-            "text_cases": text_cases}
+            "text_cases": text_cases, "seeded": seeded}
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +278,27 @@ def test_chat_matches_offline_and_stream(client, reference):
         reasons = [c.choices[0].finish_reason for c in with_choices]
         assert reasons[-1] == want.finish_reason and set(reasons[:-1]) <= {None}
         assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_seeded_n_samples_match_offline(client, reference, stream):
+    """n = 4 with a seed: four different samples, the very ones LLM.chat draws (sample i
+    with seed + i, vLLM's rule), streamed or not (the stream is also checked against its
+    non-streamed twin)."""
+    p = SEEDED_PARAMS
+    r = client.chat.completions.create(
+        model=MODEL, messages=SEEDED_CHAT, n=p.n, temperature=p.temperature, seed=p.seed,
+        max_tokens=p.max_tokens, stream=stream)
+    texts = [""] * p.n
+    if stream:
+        for chunk in r:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+    else:
+        for c in r.choices:
+            texts[c.index] = c.message.content
+    assert texts == [c.text for c in reference["seeded"].outputs]
+    assert len(set(texts)) == p.n
 
 
 def test_raw_sse_format(http):
