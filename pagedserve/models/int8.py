@@ -15,7 +15,7 @@ with it than with a contiguous ``[K, N]`` copy at M = 1..256 on SmolLM2's shapes
 (``benchmarks/README.md``). The float weight is dropped: a ``Linear`` holds the int8 rows as
 its ``weight`` (int8 parameter, so memory accounting sees 1 byte per weight) and the pair in
 ``quant``. A tied LM head keeps the float embedding (the token lookup needs it) and gets an
-int8 copy only when ``QUANTIZE_LM_HEAD`` says so.
+int8 copy. Layers named in ``FLOAT_LAYERS`` stay in float (see there).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# Measured by benchmarks/int8_accuracy.py on SmolLM2-135M (benchmarks/README.md): with the
-# tied LM head in int8 too, perplexity stays within the 2% bound of float32.
-QUANTIZE_LM_HEAD = True
+# Linear layers (last name part) left in float: measured on SmolLM2-135M (perplexity of the
+# MT-Bench reference answers, benchmarks/README.md), every Linear and the LM head in int8
+# cost +2.64% over float32, all but down_proj +1.92% (down_proj alone +0.59%, the LM head
+# alone +0.36%): down_proj's input (the gated activation) has the widest per-token range.
+FLOAT_LAYERS = ("down_proj",)
 _QMAX = 127.0
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -70,16 +72,18 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight,
     return out.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-def quantize_model(model: nn.Module, lm_head: bool = QUANTIZE_LM_HEAD) -> int:
-    """Replace the weight of every ``quant.Linear`` of ``model`` by its int8 rows (the LM head
-    only if ``lm_head``; a tied one gets ``model.tied_lm_head_quant``). Returns the number
-    of weights quantized."""
+def quantize_model(model: nn.Module, lm_head: bool = True,
+                   skip: tuple[str, ...] = FLOAT_LAYERS) -> int:
+    """Replace the weight of every ``quant.Linear`` of ``model`` whose name does not end in
+    one of ``skip`` by its int8 rows (the LM head only if ``lm_head``; a tied one gets
+    ``model.tied_lm_head_quant``). Returns the number of weights quantized."""
     from pagedserve.models.quant import Linear
 
     count = 0
     untied_head = None if model.tie_word_embeddings else model.lm_head
-    for module in model.modules():
-        if isinstance(module, Linear) and (lm_head or module is not untied_head):
+    for name, module in model.named_modules():
+        if (isinstance(module, Linear) and name.split(".")[-1] not in skip
+                and (lm_head or module is not untied_head)):
             module.quant = quantize_weight(module.weight.detach())
             module.weight = nn.Parameter(module.quant.qweight, requires_grad=False)
             count += 1
