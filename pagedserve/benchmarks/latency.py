@@ -74,7 +74,7 @@ def iteration_flops(engine: LLMEngine, batch_size: int, input_len: int, output_l
     import torch
 
     model, config = engine.model, engine.hf_config
-    linear = sum(m.weight.numel() for m in model.layers.modules()
+    linear = sum(m.in_features * m.out_features for m in model.layers.modules()
                  if isinstance(m, torch.nn.Linear))
     tokens = input_len + output_len - 1  # forward passes per request (the last token is not fed back)
     heads, head_dim = config.num_attention_heads, model.layers[0].self_attn.head_dim

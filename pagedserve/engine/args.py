@@ -73,10 +73,13 @@ class EngineArgs:
         parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
                             help="auto: read the checkpoint; dummy: random weights of the "
                                  "model's shapes (benchmarks)")
-        parser.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
+        parser.add_argument("--quantization", "-q", default=None,
+                            choices=["gguf", "int8", "none"],
                             help="unset or gguf: GGUF Q4_1/Q8_0 weights of a .gguf model stay "
                                  "quantized for steps of few tokens (CPU, float32; exact up to "
-                                 "summation order); none: dequantized weights only")
+                                 "summation order); int8: W8A8, weights quantized per output "
+                                 "channel at load, activations per token (CPU only; not "
+                                 "exact); none: dequantized weights only")
         parser.add_argument("--scheduling", default=d.scheduling,
                             choices=["continuous", "static"],
                             help="continuous batching, or static batches (a baseline: a "

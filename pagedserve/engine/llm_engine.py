@@ -17,6 +17,7 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.args import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
 from pagedserve.models.gguf_loader import iter_gguf_blocks
+from pagedserve.models.int8 import quantize_model
 from pagedserve.models.loader import iter_weights, load_config, resolve_model_path
 from pagedserve.models.quant import KERNEL_TYPES, MAX_ROWS, attach_gguf_weights, use_gguf_kernels
 from pagedserve.models.registry import get_model_class
@@ -199,6 +200,8 @@ class LLMEngine:
                             count, MAX_ROWS)
         else:
             raise ValueError(f"load_format must be auto or dummy; got {self.args.load_format!r}")
+        if self.args.quantization == "int8":
+            logger.info("%d weights quantized to int8 (W8A8)", quantize_model(model))
         return model.eval()
 
     # -- requests -----------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
+from pagedserve.models.int8 import Int8Weight
 from pagedserve.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, activation
 from pagedserve.models.loader import rope_scaling, rope_theta
 from pagedserve.models.quant import GGUFWeight, Linear, linear
@@ -205,8 +206,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        # GGUF blocks of the tied head (embed_tokens.weight); see quant.attach_gguf_weights
-        self.tied_lm_head_quant: GGUFWeight | None = None
+        # GGUF blocks (quant.attach_gguf_weights) or int8 rows (int8.quantize_model) of the
+        # tied head (embed_tokens.weight)
+        self.tied_lm_head_quant: GGUFWeight | Int8Weight | None = None
 
     # -- what families override ---------------------------------------------------------
 

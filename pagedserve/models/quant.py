@@ -10,7 +10,8 @@ Steps of more than ``MAX_ROWS`` tokens (prefill, large batches) run MKL on the f
 weights, which layers keep as well.
 
 On by default for GGUF models on CPU in float32 (``--quantization`` unset or ``gguf``);
-``--quantization none`` computes from dequantized float32 weights only.
+``--quantization none`` computes from dequantized float32 weights only; ``--quantization
+int8`` replaces the weights by int8 ones instead (``int8.py``, any checkpoint, CPU only).
 
 Weights wider than ``COLUMN_CHUNK`` output features (an MLP's fused gate/up, the LM head)
 are multiplied on CPU in slices of that many output columns, each written into its place
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from pagedserve.models.int8 import Int8Weight, int8_linear
+
 logger = logging.getLogger(__name__)
 
 # The block types the kernel reads.
@@ -36,7 +39,7 @@ KERNEL_TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 # Most rows of x computed from the blocks; above it MKL on float32 weights is as fast or
 # faster on an AVX2 Zen 3 (measured at M = 1..32 on SmolLM2's shapes).
 MAX_ROWS = 16
-QUANTIZATION_CHOICES = ("gguf", "none")
+QUANTIZATION_CHOICES = ("gguf", "int8", "none")
 # Output columns per torch.mm for wider CPU weights. Measured on an AVX2 Zen 3 with 2
 # threads, MKL 2024.2, K = 576: N = 49,152 runs at 62 / 83 / 93 GFLOP/s whole and
 # 97 / 111 / 116 in 2048-column slices at M = 64 / 128 / 256 rows; N = 3,072 gains 5-15%;
@@ -54,10 +57,13 @@ class GGUFWeight:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           quant: GGUFWeight | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, ``[..., K] -> [..., N]``, computed from ``quant`` (the
-    same weight as GGUF blocks) when x has at most ``MAX_ROWS`` rows, else by
-    ``column_chunked_mm`` for a CPU weight wider than ``COLUMN_CHUNK`` without autograd."""
+           quant: GGUFWeight | Int8Weight | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, ``[..., K] -> [..., N]``: by ``int8_linear`` for an
+    ``Int8Weight`` quant (then ``weight`` is unused); from ``quant`` (the same weight as GGUF
+    blocks) when x has at most ``MAX_ROWS`` rows; else by ``column_chunked_mm`` for a CPU
+    weight wider than ``COLUMN_CHUNK`` without autograd."""
+    if isinstance(quant, Int8Weight):
+        return int8_linear(x, quant, bias)
     rows = x.numel() // x.shape[-1]
     if quant is not None and rows <= MAX_ROWS:
         out = torch.ops.pagedserve.ggml_mul_mat(quant.qweight, x.reshape(rows, -1),
@@ -83,10 +89,11 @@ def column_chunked_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that computes small batches from ``quant`` (GGUF blocks of its weight,
-    set by ``attach_gguf_weights``) when it is set; see ``linear``."""
+    """``nn.Linear`` that computes from ``quant`` when it is set: small batches from GGUF
+    blocks of its weight (``attach_gguf_weights``), or all from int8 rows that replace the
+    weight (``int8.quantize_model``); see ``linear``."""
 
-    quant: GGUFWeight | None = None
+    quant: GGUFWeight | Int8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.quant)
@@ -94,11 +101,11 @@ class Linear(nn.Linear):
 
 def use_gguf_kernels(quantization: str | None, model_path: pathlib.Path, device: str,
                      dtype: torch.dtype) -> bool:
-    """Whether to attach GGUF blocks: for a .gguf model unless ``quantization`` is "none",
-    and only on CPU in float32 where the C++ kernels build.
+    """Whether to attach GGUF blocks: for a .gguf model unless ``quantization`` is "none"
+    or "int8", and only on CPU in float32 where the C++ kernels build.
 
-    Raises ValueError for a ``quantization`` not in (None, *QUANTIZATION_CHOICES), or
-    "gguf" for a model that is not a GGUF file.
+    Raises ValueError for a ``quantization`` not in (None, *QUANTIZATION_CHOICES), "gguf"
+    for a model that is not a GGUF file, or "int8" on a device other than the CPU.
     """
     if quantization not in (None, *QUANTIZATION_CHOICES):
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} or "
@@ -106,7 +113,9 @@ def use_gguf_kernels(quantization: str | None, model_path: pathlib.Path, device:
     is_gguf = pathlib.Path(model_path).suffix.lower() == ".gguf"
     if quantization == "gguf" and not is_gguf:
         raise ValueError(f"quantization 'gguf' needs a .gguf model; got {str(model_path)!r}")
-    if quantization == "none" or not is_gguf:
+    if quantization == "int8" and device != "cpu":
+        raise ValueError(f"quantization 'int8' runs on CPU only; got device {device!r}")
+    if quantization in ("none", "int8") or not is_gguf:
         return False
     if device != "cpu" or dtype != torch.float32:
         logger.info("GGUF kernels run on CPU in float32 only: %s %s uses dequantized weights",

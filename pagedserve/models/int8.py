@@ -1,0 +1,93 @@
+"""INT8 W8A8 linear layers on CPU (``--quantization int8``).
+
+SmoothQuant / LLM.int8()-style symmetric quantization without outlier handling:
+
+- weights ``[N, K]`` are quantized once at load, per output channel (row n):
+  ``scale[n] = max_k |w[n, k]| / 127``, ``q[n, k] = round(w[n, k] / scale[n])`` in [-127, 127];
+- activations ``[M, K]`` are quantized the same way at run time, per token (row m), so a
+  request's result never depends on the other rows of the batch (unlike FBGEMM's
+  ``quantized::linear_dynamic``, which uses one scale for the whole batch);
+- ``torch._int_mm(x_q [M, K], w_q.T [K, N])`` sums exactly in int32 (oneDNN, VNNI where the
+  CPU has it) and ``acc * x_scale[m] * w_scale[n]`` (+ bias) gives the float result.
+
+The weight stays ``[N, K]`` and is passed transposed: ``_int_mm`` was as fast or faster
+with it than with a contiguous ``[K, N]`` copy at M = 1..256 on SmolLM2's shapes
+(``benchmarks/README.md``). The float weight is dropped: a ``Linear`` holds the int8 rows as
+its ``weight`` (int8 parameter, so memory accounting sees 1 byte per weight) and the pair in
+``quant``. A tied LM head keeps the float embedding (the token lookup needs it) and gets an
+int8 copy. Layers named in ``FLOAT_LAYERS`` stay in float (see there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Linear layers (last name part) left in float. Measured on SmolLM2-135M (perplexity of the
+# MT-Bench reference answers, benchmarks/README.md): every Linear and the LM head in int8
+# cost +2.64% over float32, all but down_proj +1.92%, inside the 2% bound (down_proj alone
+# +0.59%, the LM head alone +0.36%; q/k/v, o and gate/up were not measured one by one).
+FLOAT_LAYERS = ("down_proj",)
+_QMAX = 127.0
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight ``[N, K]`` as int8 ``qweight [N, K]`` and float32 ``scale [N]`` (one per
+    output row): ``weight ~= qweight * scale[:, None]``, off by at most ``scale / 2``."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row quantization of ``x [R, K]`` (any float dtype): int8 ``[R, K]`` in
+    [-127, 127] and float32 scales ``[R, 1]`` with ``x ~= q * scale``. A row of zeros gets
+    scale 0 and zeros."""
+    x = x.float()
+    absmax = x.abs().amax(dim=-1, keepdim=True)
+    scale = absmax / _QMAX
+    q = torch.mul(x, _QMAX / absmax.clamp_(min=_TINY)).round_().to(torch.int8)
+    return q, scale
+
+
+def quantize_weight(weight: torch.Tensor) -> Int8Weight:
+    """``weight [N, K]`` (float) -> ``Int8Weight`` with one scale per output row."""
+    q, scale = quantize_rows(weight)
+    return Int8Weight(q, scale.view(-1))
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight.T (+ bias) -> [..., N]`` in x's dtype, with ``x`` quantized per
+    row (token) by ``quantize_rows`` and the product summed in int32 by ``torch._int_mm``."""
+    rows = x.numel() // x.shape[-1]
+    q, scale = quantize_rows(x.reshape(rows, -1))
+    out = torch._int_mm(q, weight.qweight.t()).float().mul_(scale).mul_(weight.scale)
+    if bias is not None:
+        out.add_(bias)
+    return out.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def quantize_model(model: nn.Module, lm_head: bool = True,
+                   skip: tuple[str, ...] = FLOAT_LAYERS) -> int:
+    """Replace the weight of every ``quant.Linear`` of ``model`` whose name does not end in
+    one of ``skip`` by its int8 rows (the LM head only if ``lm_head``; a tied one gets
+    ``model.tied_lm_head_quant``). Returns the number of weights quantized."""
+    from pagedserve.models.quant import Linear
+
+    count = 0
+    untied_head = None if model.tie_word_embeddings else model.lm_head
+    for name, module in model.named_modules():
+        if (isinstance(module, Linear) and name.split(".")[-1] not in skip
+                and (lm_head or module is not untied_head)):
+            module.quant = quantize_weight(module.weight.detach())
+            module.weight = nn.Parameter(module.quant.qweight, requires_grad=False)
+            count += 1
+    if lm_head and model.tie_word_embeddings:
+        model.tied_lm_head_quant = quantize_weight(model.embed_tokens.weight.detach())
+        count += 1
+    return count

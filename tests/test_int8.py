@@ -1,0 +1,126 @@
+"""INT8 W8A8 (``--quantization int8``, ``pagedserve/models/int8.py``): the int8 linear against
+an independent float64 reference, per-token independence, weight reconstruction, and the
+engine end to end against float32."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.args import EngineArgs
+from pagedserve.models.int8 import Int8Weight, int8_linear, quantize_model, quantize_weight
+from pagedserve.models.quant import Linear, use_gguf_kernels
+
+
+def reference(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor) -> torch.Tensor:
+    """Per-row symmetric quantization of x and the matmul, all in float64."""
+    x = x.double().reshape(-1, x.shape[-1])
+    x_scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    x_deq = torch.round(x / x_scale) * x_scale
+    w_deq = weight.qweight.double() * weight.scale.double()[:, None]
+    return x_deq @ w_deq.T + bias.double()
+
+
+def test_int8_linear_equals_float64_reference():
+    gen = torch.Generator().manual_seed(0)
+    x, w, bias = (torch.randn(*s, generator=gen) for s in ((2, 5, 96), (40, 96), (40,)))
+    weight = quantize_weight(w)
+    out = int8_linear(x, weight, bias)
+    assert out.shape == (2, 5, 40) and out.dtype == torch.float32
+    ref = reference(x, weight, bias)
+    torch.testing.assert_close(out.reshape(10, 40).double(), ref, rtol=1e-5,
+                               atol=1e-5 * ref.abs().max().item())
+    # and it is an approximation of the float product (~1% for Gaussian data)
+    exact = x.reshape(10, 96).double() @ w.double().T + bias.double()
+    assert (out.reshape(10, 40) - exact).norm() / exact.norm() < 0.03
+
+
+def test_a_row_result_does_not_depend_on_other_rows():
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(6, 64, generator=gen), torch.randn(48, 64, generator=gen)
+    weight = quantize_weight(w)
+    loud = x.clone()
+    loud[2] *= 1000
+    out, out_loud = int8_linear(x, weight), int8_linear(loud, weight)
+    keep = [0, 1, 3, 4, 5]
+    assert torch.equal(out[keep], out_loud[keep])
+    assert int8_linear(x[4:5], weight).equal(out[4:5])  # alone = in the batch
+
+
+def test_quantized_weight_reconstructs_within_half_a_step():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(32, 80, generator=gen) * torch.logspace(-3, 2, 32)[:, None]
+    w[5] = 0
+    weight = quantize_weight(w)
+    assert weight.qweight.dtype == torch.int8 and weight.qweight.shape == (32, 80)
+    assert weight.scale.dtype == torch.float32 and weight.scale.shape == (32,)
+    assert weight.qweight.abs().amax(dim=1).tolist() == [127] * 5 + [0] + [127] * 26
+    error = (weight.qweight.double() * weight.scale.double()[:, None] - w.double()).abs()
+    assert (error <= weight.scale.double()[:, None] / 2 * (1 + 1e-5)).all()
+    assert weight.scale[5] == 0
+
+
+def test_bfloat16_input_gives_bfloat16_output():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 64, generator=gen), torch.randn(16, 64, generator=gen)
+    weight = quantize_weight(w)
+    out = int8_linear(x.bfloat16(), weight)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, int8_linear(x.bfloat16().float(), weight).bfloat16())
+
+
+def test_quantize_model_replaces_weights(tiny_llama):
+    from pagedserve.attention import get_attention_backend
+    from pagedserve.models.loader import load_config
+    from pagedserve.models.registry import get_model_class
+
+    config = load_config(tiny_llama[0])
+    model = get_model_class(config)(config, get_attention_backend("torch", "cpu"), 128)
+    assert quantize_model(model, lm_head=False, skip=()) == 2 * 4  # qkv, o, gate_up, down
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.weight.dtype == torch.int8 for m in linears if m is not model.lm_head)
+    assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.quant is None
+    x = torch.randn(3, 64)
+    down = model.layers[0].mlp.down_proj
+    assert torch.equal(down(torch.randn(3, 128)).isfinite(), torch.ones(3, 64, dtype=bool))
+    assert quantize_model(model, skip=()) == 9 and model.lm_head.weight.dtype == torch.int8
+    assert model.compute_logits(x).shape == (3, 96)
+    fresh = get_model_class(config)(config, get_attention_backend("torch", "cpu"), 128)
+    assert quantize_model(fresh) == 2 * 3 + 1  # FLOAT_LAYERS: down_proj stays float
+    assert fresh.layers[1].mlp.down_proj.weight.dtype == torch.float32
+
+
+def test_int8_choice_and_errors(model_path):
+    assert not use_gguf_kernels("int8", model_path, "cpu", torch.float32)  # alternatives
+    assert not use_gguf_kernels("int8", model_path, "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="int8.*CPU only"):
+        use_gguf_kernels("int8", model_path, "cuda", torch.float32)
+    with pytest.raises(ValueError, match="int8"):  # the message lists the choices
+        use_gguf_kernels("fp8", model_path, "cpu", torch.float32)
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["-q", "int8"])).quantization == "int8"
+
+
+@pytest.fixture(scope="module")
+def llm_int8():
+    return LLM(dtype="float32", quantization="int8", max_model_len=1024,
+               kv_cache_memory_bytes=256 << 20)
+
+
+def test_engine_int8_greedy_agrees_with_float32(llm, llm_int8, chat_prompts):
+    """Measured (2026-12-01): int8 and float32 greedy tokens agree for the first
+    [16, 16, 4, 8, 16, 6, 6, 11, 9] of 16 tokens on the 9 chats: all 9 share their first 4.
+    Int8 is not exact, so 6 of 9 are asserted; a wrong scale or layout gives garbage from
+    the first token. Perplexity is measured by benchmarks/int8_accuracy.py."""
+    model = llm_int8.engine.model
+    assert model.layers[0].mlp.gate_up_proj.weight.dtype == torch.int8
+    assert model.layers[0].mlp.down_proj.weight.dtype == torch.float32  # FLOAT_LAYERS
+    assert isinstance(model.tied_lm_head_quant, Int8Weight)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in chat_prompts]
+    ours, ref = (e.generate(prompts, params, use_tqdm=False) for e in (llm_int8, llm))
+    agree = [o.outputs[0].token_ids[:4] == r.outputs[0].token_ids[:4] for o, r in zip(ours, ref)]
+    assert sum(agree) >= 6, agree
