@@ -182,7 +182,10 @@ STOP_TEXTS = ["Hello world, how are you? I am fine, thank you.",
 def test_sent_text_is_always_a_prefix_of_the_final_text(tok, path, text, data):
     """Whatever the stop strings: what was sendable at any step is a prefix of what is
     sendable later and of the final text. The final text is the full decode of the shortest
-    output prefix that contains a stop string, cut at the earliest one (ties: list order)."""
+    output prefix that contains a stop string, cut at the earliest one (ties: list order).
+    Prefixes that end inside a character are skipped: their token's text (with any complete
+    characters before the partial one) is only emitted, and searched, once the character
+    completes."""
     spans = st.tuples(st.integers(0, len(text) - 1), st.integers(1, 12))
     stops = data.draw(st.lists(spans.map(lambda s: text[s[0]:s[0] + s[1]]) | st.text(
         "abcxyz ", min_size=1, max_size=8), min_size=1, max_size=3))
@@ -196,6 +199,8 @@ def test_sent_text_is_always_a_prefix_of_the_final_text(tok, path, text, data):
     want = tok.decode(ids)
     for k in range(1, len(ids) + 1):
         prefix = tok.decode(ids[:k])
+        if prefix.endswith("\ufffd"):
+            continue
         hits = [(prefix.find(s), s) for s in stops if s in prefix]
         if hits:
             idx, s = min(hits, key=lambda h: h[0])
