@@ -614,6 +614,16 @@ ERROR_CASES = [
      "max_completion_tokens"),
     ("POST", "/v1/chat/completions", {"model": "nope", "messages": CHAT_OK}, 404, "model"),
     ("POST", "/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+    # Tokenizer options are not template variables: they would turn the ids into tensors.
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_OK,
+                                      "chat_template_kwargs": {"return_tensors": "pt"}}, 400,
+     "chat_template_kwargs"),
+    ("POST", "/tokenize", {"model": MODEL, "messages": CHAT_OK,
+                           "chat_template_kwargs": {"return_tensors": "np"}}, 400,
+     "chat_template_kwargs"),
+    ("POST", "/v1/chat/completions",
+     b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     400, "messages[0].content"),
     ("POST", "/detokenize", {"model": MODEL, "tokens": [10**9]}, 400, "tokens"),
     ("GET", "/v1/no-such-route", None, 404, None),
     # A lone surrogate: valid JSON, not encodable as UTF-8.
