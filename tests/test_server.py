@@ -658,6 +658,18 @@ def test_error_cases(http, method, path, body, status, param):
         assert err["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize(("body", "headers", "quoted"), [
+    ("x" * 100_000, {"Content-Type": "text/plain"}, "100000 bytes that are not a JSON object"),
+    (json.dumps({"model": MODEL, "prompt": "x", "temperature": "h" * 100_000}),
+     {"Content-Type": "application/json"}, "... (100002 characters)"),
+])
+def test_error_messages_do_not_echo_large_inputs(http, body, headers, quoted):
+    r = http.post("/v1/completions", content=body, headers=headers)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert quoted in message and len(message) < 300, message
+
+
 def test_auth_and_openai_exceptions(ready, client):
     assert httpx.get(ready.url + "/health").status_code == 200  # open without a key
     assert httpx.get(ready.url + "/metrics").status_code == 200
