@@ -16,14 +16,15 @@ told); ``onednn`` = the oneDNN-packed weight. ``=`` marks results bit-equal to
 from __future__ import annotations
 
 import argparse
-import sys
+import functools
 import pathlib
+import sys
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from int8_gemm import ROWS, SHAPES, best_time  # noqa: E402
+from int8_gemm import ROWS, SHAPES, best_time
 
 
 def main() -> None:
@@ -41,10 +42,10 @@ def main() -> None:
         for m in ROWS:
             x = torch.randn(m, k)
             runs = {
-                "linear": lambda: F.linear(x, w),
-                "mkl": lambda: torch.ops.mkl._mkl_linear(x, mkl_w, w, None, m),
-                "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, dnn_w, None, "none",
-                                                                     [], ""),
+                "linear": functools.partial(F.linear, x, w),
+                "mkl": functools.partial(torch.ops.mkl._mkl_linear, x, mkl_w, w, None, m),
+                "onednn": functools.partial(torch.ops.mkldnn._linear_pointwise, x, dnn_w, None,
+                                            "none", [], ""),
             }
             ref = runs["linear"]()
             cells = []
