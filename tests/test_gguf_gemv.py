@@ -15,7 +15,11 @@ from gguf.quants import dequantize
 from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
 from pagedserve.models import quant as quant_module
-from pagedserve.models.gguf_loader import iter_gguf_blocks, iter_gguf_weights
+from pagedserve.models.gguf_loader import (
+    _dequantize_q4_1_q8_0,
+    iter_gguf_blocks,
+    iter_gguf_weights,
+)
 from pagedserve.models.quant import (
     KERNEL_TYPES,
     MAX_ROWS,
@@ -60,6 +64,13 @@ def test_kernel_matches_dequantized_linear(qtype, n, k):
         assert rel_err(out, exact) < max(4 * rel_err(F.linear(x, weight), exact), 2e-6)
 
 
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_torch_dequantization_is_bit_equal_to_gguf_py(qtype):
+    blocks = random_blocks(qtype, 37, 96, np.random.default_rng(int(qtype)))
+    ours = _dequantize_q4_1_q8_0(torch.from_numpy(blocks), qtype)
+    assert torch.equal(ours, torch.from_numpy(dequantize(blocks, qtype).copy()))
+
+
 def test_kernel_rejects_bad_inputs():
     ops = load_cpu_ops()
     blocks = torch.from_numpy(random_blocks(Q.Q8_0, 4, 64, np.random.default_rng(0)))
@@ -77,6 +88,7 @@ def test_linear_uses_blocks_up_to_max_rows_only():
     quant = GGUFWeight(torch.from_numpy(random_blocks(Q.Q4_1, 40, 64, rng)), Q.Q4_1)
     layer = Linear(64, 40, bias=True)
     torch.nn.init.zeros_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
     layer.quant = quant
     expected = F.linear(torch.ones(1, 64), torch.from_numpy(dequantize(quant.qweight.numpy(),
                                                                         Q.Q4_1).copy()))
