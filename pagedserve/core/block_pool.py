@@ -105,6 +105,10 @@ class BlockPool:
         """Blocks holding a hashed full block, in use or free."""
         return len(self.cached)
 
+    def cached_free_block_ids(self) -> list[int]:
+        """Ids of free blocks that still hold a cached full block (evictable), any order."""
+        return [b.block_id for b in self.cached.values() if b.ref_cnt == 0]
+
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks from the head of the free list (evicting their cache entry).
 

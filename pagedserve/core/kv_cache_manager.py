@@ -184,6 +184,10 @@ class KVCacheManager:
         """The request's block table: physical block id of each logical block."""
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every request's block table (a copy): request id -> physical block ids."""
+        return {rid: [b.block_id for b in blocks] for rid, blocks in self.req_blocks.items()}
+
     def stats(self, num_tokens: int) -> KVCacheStats:
         free = self.pool.num_free_blocks
         return KVCacheStats(

@@ -127,6 +127,18 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def running_requests(self) -> tuple[Request, ...]:
+        """The running requests in arrival order (a copy of the queue, for observers)."""
+        return tuple(self.running)
+
+    def waiting_requests(self) -> tuple[Request, ...]:
+        """The waiting (and preempted) requests, next to be admitted first (a copy)."""
+        return tuple(self.waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -28,8 +28,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,6 +41,7 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineClosedError(RuntimeError):
@@ -121,6 +123,12 @@ class _Abort:
 
 
 @dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
+
+
+@dataclass
 class _Tracked:
     """Engine-thread bookkeeping of one request (for streams and metrics)."""
 
@@ -156,7 +164,7 @@ class AsyncLLM:
         self.stat_logger = stat_logger
         self.num_threads = num_threads or torch.get_num_threads()
         self._cond = threading.Condition()
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
         self._closing = False
         self._shutdown_error: BaseException | None = None
         self._requests: dict[str, _Tracked] = {}  # engine thread only
@@ -236,9 +244,9 @@ class AsyncLLM:
 
     # -- requests (any thread with a running asyncio loop) -------------------------------
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
         with self._cond:
-            if self._closing and isinstance(command, _Add):
+            if self._closing and not isinstance(command, _Abort):
                 raise EngineClosedError("the server is shutting down")
             self._commands.append(command)
             self._cond.notify()
@@ -272,6 +280,15 @@ class AsyncLLM:
         stream = await self.add_request(request_id, prompt, params, arrival_time)
         async for out in stream:
             yield out
+
+    async def run_between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps (waking an idle
+        engine) and return its result; for observers such as the dashboard's snapshots.
+        ``fn`` must be quick and must not change the engine. Raises what ``fn`` raises, or
+        ``EngineClosedError``."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, future))
+        return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id (thread-safe; unknown or finished ids are ignored)."""
@@ -317,10 +334,16 @@ class AsyncLLM:
                 logger.error("requests %s ended without a final output", list(self._requests))
                 self._drop_all(EngineStepError("the request ended without a final output"))
 
-    def _apply(self, commands: list[_Add | _Abort]) -> None:
+    def _apply(self, commands: list[_Add | _Abort | _Call]) -> None:
         for cmd in commands:
             if isinstance(cmd, _Abort):
                 self._abort_tracked(cmd.request_id, cmd.error)
+            elif isinstance(cmd, _Call):
+                if cmd.future.set_running_or_notify_cancel():
+                    try:
+                        cmd.future.set_result(cmd.fn(self.engine))
+                    except Exception as err:  # noqa: BLE001 - the caller gets it
+                        cmd.future.set_exception(err)
             elif cmd.future.set_running_or_notify_cancel():
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
@@ -341,7 +364,7 @@ class AsyncLLM:
             leftovers = list(self._commands)
             self._commands.clear()
         for cmd in leftovers:
-            if isinstance(cmd, _Add) and cmd.future.set_running_or_notify_cancel():
+            if isinstance(cmd, (_Add, _Call)) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(EngineClosedError("the server is shutting down"))
 
     def _safe_abort(self, request_id: str) -> None:

@@ -16,6 +16,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.args import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
+from pagedserve.engine.timeline import StepTimeline
 from pagedserve.models.gguf_loader import iter_gguf_blocks
 from pagedserve.models.int8 import quantize_model
 from pagedserve.models.loader import iter_weights, load_config, resolve_model_path
@@ -105,6 +106,8 @@ class LLMEngine:
                                                args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # The last steps, for the dashboard; a benchmark may swap in an unbounded one.
+        self.timeline = StepTimeline()
         pool_tokens = self.num_blocks * args.block_size
         logger.info(
             "model %s on %s (%s); KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); "
@@ -331,9 +334,11 @@ class LLMEngine:
         model runs, so that observers (the server's metrics) see the requests of a long
         step as running while it computes; it is not called for an empty step.
         """
+        start = time.monotonic()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        started = self.timeline.begin(sched, start)
         self.output_processor.mark_scheduled(sched.requests)
         if on_scheduled is not None:
             on_scheduled()
@@ -348,6 +353,7 @@ class LLMEngine:
         touched, stopped = self.output_processor.process(sched.requests + forked, out)
         self.scheduler.finish_requests([r.request_id for r in stopped],
                                        RequestStatus.FINISHED_STOPPED)
+        self.timeline.end(started, self.scheduler)
         return [self.output_processor.make_output(parent) for parent in touched]
 
     def cache_config_info(self) -> dict[str, str]:

@@ -1,0 +1,139 @@
+"""A picture of the engine between two steps, for the dashboard (``/dashboard/state``).
+
+Take it on the engine thread between steps (``AsyncLLM.run_between_steps``), never inside
+one. It reads the scheduler's and KV cache manager's read-only views and costs one pass
+over the block tables and the prefix-cache table (numpy for the rest): no tensors, no
+per-token data. The block pool travels as two compact arrays, one entry per block::
+
+    state   uint8    0 free, 1 held by one request, 2 shared (ref count > 1),
+                     3 cached and free (prefix cache, evictable)
+    filled  uint16   K/V slots written, 0..block_size
+
+A block's holders are the requests whose block table (``requests[i]["blocks"]``) lists it;
+its reference count is their number.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.engine.timeline import LatencyWindow
+from pagedserve.request import Request
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine
+
+FREE, USED, SHARED, CACHED = 0, 1, 2, 3
+
+
+@dataclass
+class PoolState:
+    """Per-block arrays of one KV pool (see the module docstring) and the block size."""
+
+    state: np.ndarray  # uint8 [num_blocks]
+    filled: np.ndarray  # uint16 [num_blocks]
+    block_size: int
+
+    def totals(self) -> dict:
+        """Block counts per state, tokens stored, and internal fragmentation: the fraction
+        of slots in held blocks that hold no token (0-1; 0 when no block is held)."""
+        counts = np.bincount(self.state, minlength=4)
+        held = self.state == USED
+        held |= self.state == SHARED
+        num_held = int(held.sum())
+        tokens = int(self.filled[held].sum())
+        return {
+            "total": int(self.state.size),
+            "free": int(counts[FREE] + counts[CACHED]),
+            "used": num_held,
+            "shared": int(counts[SHARED]),
+            "cached_free": int(counts[CACHED]),
+            "tokens": tokens,
+            "fragmentation": 1 - tokens / (num_held * self.block_size) if num_held else 0.0,
+        }
+
+
+def pool_state(kv: KVCacheManager, scheduler: Scheduler) -> PoolState:
+    """The pool's block states and fill levels, from the block tables (a block's fill is
+    its most advanced holder's: ``min(block_size, num_computed_tokens - i * block_size)``
+    for logical block ``i``) and the prefix-cache table (cached free blocks are full)."""
+    n, bs = kv.pool.num_blocks, kv.block_size
+    tables = kv.block_tables()
+    lengths = np.fromiter((len(t) for t in tables.values()), np.int64, len(tables))
+    ids = np.fromiter(itertools.chain.from_iterable(tables.values()), np.int64,
+                      int(lengths.sum()))
+    holders = np.bincount(ids, minlength=n)
+    state = np.where(holders > 1, SHARED, np.where(holders == 1, USED, FREE)).astype(np.uint8)
+    computed = np.fromiter((scheduler.get_request(rid).num_computed_tokens for rid in tables),
+                           np.int64, len(tables))
+    # Logical index of each entry within its own table: 0, 1, 2, 0, 1, 0, ...
+    logical = np.arange(ids.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    fill = np.clip(np.repeat(computed, lengths) - logical * bs, 0, bs)
+    filled = np.zeros(n, np.uint16)
+    np.maximum.at(filled, ids, fill.astype(np.uint16))
+    cached = np.asarray(kv.pool.cached_free_block_ids(), np.int64)
+    state[cached] = CACHED
+    filled[cached] = bs
+    return PoolState(state, filled, bs)
+
+
+def _request_row(r: Request, kv: KVCacheManager, now: float) -> dict:
+    return {
+        "id": r.request_id,
+        "status": r.status.name.lower(),
+        "prompt_tokens": r.num_prompt_tokens,
+        "prompt_computed": min(r.num_computed_tokens, r.num_prompt_tokens),
+        "output_tokens": r.num_output_tokens,
+        "blocks": kv.block_ids(r.request_id),
+        "cached_tokens": r.num_cached_tokens,
+        "preemptions": r.num_preemptions,
+        "age": now - r.arrival_time,
+    }
+
+
+def _b64(array: np.ndarray) -> str:
+    return base64.b64encode(array.tobytes()).decode("ascii")
+
+
+def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> dict:
+    """The engine's state now, JSON-ready (call between steps, on the engine thread).
+
+    Keys: ``step`` (steps completed), ``time`` (Unix seconds), ``pools`` (one per replica:
+    ``num_blocks``, ``block_size``, ``state`` / ``filled`` as base64 of the little-endian
+    arrays above, ``totals``), ``kv_cache_stats`` (``LLMEngine.kv_cache_stats()``, counted
+    by the pool itself), ``running`` / ``waiting`` (request rows: ids and counts, no text;
+    ``age`` in seconds), ``steps`` (the step timeline as columns, oldest first; ``ago`` in
+    seconds before now, ``duration`` in seconds) and ``latency`` (TTFT / TPOT / end-to-end
+    percentiles in seconds over ``latency``'s window; empty without one).
+    """
+    sched, kv = engine.scheduler, engine.kv_cache_manager
+    now = time.monotonic()
+    pool = pool_state(kv, sched)
+    steps = engine.timeline.columns()
+    steps["ago"] = [now - t for t in steps.pop("end")]
+    return {
+        "step": engine.timeline.num_steps,
+        "time": time.time(),
+        "pools": [{
+            "replica": 0,
+            "num_blocks": int(pool.state.size),
+            "block_size": pool.block_size,
+            "state": _b64(pool.state),
+            "filled": _b64(pool.filled.astype("<u2")),
+            "totals": pool.totals(),
+        }],
+        "kv_cache_stats": asdict(engine.kv_cache_stats()),
+        "running": [_request_row(r, kv, now) for r in sched.running_requests()],
+        "waiting": [_request_row(r, kv, now) for r in sched.waiting_requests()],
+        "steps": steps,
+        "latency": {} if latency is None else {"window": latency.seconds,
+                                               **latency.percentiles()},
+    }
