@@ -53,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="model name in the API (default: the model argument or its alias)")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+                       help="require 'Authorization: Bearer KEY' on /v1 endpoints and on "
+                            "the dashboard's data")
+    serve.add_argument("--disable-dashboard", action="store_true",
+                       help="do not serve the live page /dashboard (nor its data)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="log level of the HTTP server")

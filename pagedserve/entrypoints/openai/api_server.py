@@ -2,11 +2,12 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
 (and ``/v1/models/{id}``), plus vLLM's ``GET /health``, ``GET /version``, ``GET /metrics``
-(Prometheus text), ``POST /tokenize``, ``POST /detokenize``.
+(Prometheus text), ``POST /tokenize``, ``POST /detokenize``, and the live ``/dashboard``
+(``dashboard/``; off with ``--disable-dashboard``).
 
 Errors always use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
 bad JSON, bad types, out-of-range values and prompts that do not fit; 401 for a missing or
-wrong key when ``--api-key`` is set (``/v1/*`` only, as vLLM); 404 for an unknown model or
+wrong key when ``--api-key`` is set (``/v1/*`` as vLLM, and the dashboard's data); 404 for an unknown model or
 route; 503 while shutting down. Bad input never yields a 500.
 
 SIGINT/SIGTERM: stop accepting connections, abort requests in flight (their streams end
@@ -35,6 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedserve
 from pagedserve.engine.args import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLM
+from pagedserve.engine.timeline import LatencyWindow, StatLoggers
+from pagedserve.entrypoints.openai.dashboard import PROTECTED_PATHS, add_dashboard_routes
 from pagedserve.entrypoints.openai.protocol import (
     MESSAGE_ROLES,
     ChatCompletionRequest,
@@ -149,16 +152,20 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class APIKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` on ``/v1/*`` (pure ASGI, so streaming and
-    disconnect detection pass through untouched)."""
+    """Require ``Authorization: Bearer <key>`` on ``/v1/*`` and on ``extra_paths`` (pure
+    ASGI, so streaming and disconnect detection pass through untouched)."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, extra_paths: tuple[str, ...] = ()) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.extra_paths = frozenset(extra_paths)
+
+    def _protected(self, path: str) -> bool:
+        return path.startswith("/v1") or path in self.extra_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
-                or not scope.get("path", "").startswith("/v1")):
+                or not self._protected(scope.get("path", ""))):
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization")
         if given is None:
@@ -243,9 +250,11 @@ def served_names(args: argparse.Namespace, model_path: Any) -> tuple[str, set[st
 
 
 def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, latency: LatencyWindow | None = None,
+              enable_dashboard: bool = True) -> FastAPI:
     """The FastAPI application over a started or unstarted ``ctx.engine`` (the lifespan
-    starts it and shuts it down)."""
+    starts it and shuts it down). ``latency``: the window the dashboard's percentiles come
+    from (the engine's stat logger must feed it)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -258,7 +267,10 @@ def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = No
     app.openapi = lambda: openapi_document(app)
     install_error_handlers(app)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key,
+                           extra_paths=PROTECTED_PATHS if enable_dashboard else ())
+    if enable_dashboard:
+        add_dashboard_routes(app, ctx.engine, ctx.served_model_name, latency, bool(api_key))
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     app.state.ctx = ctx
@@ -416,11 +428,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     name, aliases = served_names(args, core.model_path)
     stat_logger = PrometheusStatLogger(name, core.max_model_len)
     stat_logger.log_cache_config_info(core.cache_config_info())
-    engine.stat_logger = stat_logger
+    latency = None if args.disable_dashboard else LatencyWindow()
+    engine.stat_logger = stat_logger if latency is None else StatLoggers(stat_logger, latency)
     ctx = ServingContext(engine=engine, served_model_name=name, model_aliases=aliases,
                          model_root=str(core.model_path), tokenizer=core.tokenizer,
                          max_model_len=core.max_model_len)
-    app = build_app(ctx, stat_logger, api_key=args.api_key)
+    app = build_app(ctx, stat_logger, api_key=args.api_key, latency=latency,
+                    enable_dashboard=not args.disable_dashboard)
     block_size = core.args.block_size
     logger.info("pagedserve %s: model %s (%s)", pagedserve.__version__, name, core.model_path)
     logger.info("device %s, dtype %s, torch threads %d", core.device,
@@ -429,8 +443,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 "max_num_seqs %d, max_num_batched_tokens %d", core.num_blocks, block_size,
                 core.num_blocks * block_size, core.max_model_len,
                 core.scheduler_config.max_num_seqs, core.scheduler_config.max_num_batched_tokens)
-    logger.info("OpenAI-compatible API at %s/v1 (health: %s/health, metrics: %s/metrics)%s",
-                _url(args.host, args.port), _url(args.host, args.port), _url(args.host, args.port),
+    url = _url(args.host, args.port)
+    logger.info("OpenAI-compatible API at %s/v1 (health: %s/health, metrics: %s/metrics%s)%s",
+                url, url, url, "" if args.disable_dashboard else f", dashboard: {url}/dashboard",
                 "; API key required" if args.api_key else "")
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
