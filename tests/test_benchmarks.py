@@ -210,6 +210,31 @@ def test_bench_throughput_command(tiny_model, tmp_path, capsys, scheduling):
         assert r["num_steps"] < sum(max(lens[i:i + 2]) for i in range(0, 6, 2))
 
 
+def test_bench_throughput_timeline(tiny_model, tmp_path, capsys):
+    """--timeline writes every step: the HTML page's data counts each prompt token once as
+    prefill and each output token but the first once as decode (prompts shorter than a
+    block: no prefix-cache hit); the PNG is a PNG; another suffix fails before the run."""
+    args = ["bench", "throughput", str(tiny_model), "--dataset-name", "random",
+            "--num-prompts", "4", "--input-len", "8", "--output-len", "5", "--max-num-seqs",
+            "2", "--output-json", str(tmp_path / "tp.json"), *TINY]
+    page = tmp_path / "timeline.html"
+    assert cli.main([*args, "--timeline", str(page)]) == 0
+    result = json.loads((tmp_path / "tp.json").read_text())["result"]
+    text = page.read_text()
+    data = json.loads(text[text.index("const d = ") + 10:text.index(";\nconst bars")])
+    assert data["step"] == list(range(1, result["num_steps"] + 1))
+    assert sum(data["prefill_tokens"]) == result["prompt_tokens"]
+    assert sum(data["decode_tokens"]) == result["output_tokens"] - result["num_requests"]
+    assert data["used_blocks"][-1] == 0
+    assert "<script src" not in text and "<link" not in text  # uPlot inlined: no fetch
+    png = tmp_path / "timeline.png"
+    assert cli.main([*args, "--timeline", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert cli.main([*args, "--timeline", str(tmp_path / "t.svg")]) == 2
+    assert "--timeline must name a .html or .png file" in capsys.readouterr().err
+
+
 def test_bench_latency_command_and_flop_count(tiny_model, tmp_path, capsys):
     out = tmp_path / "lat.json"
     rc = cli.main(["bench", "latency", str(tiny_model), "--batch-size", "3", "--input-len", "5",

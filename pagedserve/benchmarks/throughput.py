@@ -5,7 +5,8 @@ step; decoding is greedy with ``ignore_eos``, so each request generates exactly 
 expected output length. Prints requests/s, total (prompt + output) tokens/s, output
 tokens/s and the elapsed time, plus the engine steps and mean sequences per step.
 ``--scheduling static`` runs the same requests with static batching (same model code and
-kernels) for a side-by-side comparison with continuous batching.
+kernels) for a side-by-side comparison with continuous batching. ``--timeline FILE.html``
+(or ``.png``) writes the run's step timeline and KV block usage, as ``/dashboard`` draws them.
 
 Example::
 
@@ -35,6 +36,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     datasets.add_dataset_args(parser)
     parser.add_argument("--output-json", default=None, help="write the figures here")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    parser.add_argument("--timeline", default=None, metavar="FILE.html|FILE.png",
+                        help="write every step's tokens (prefill/decode), time, rows, "
+                             "preemptions and KV blocks used (.png needs matplotlib)")
     parser.add_argument("--disable-detokenize", action="store_true",
                         help="do not build output text (token ids only)")
     EngineArgs.add_cli_args(parser)
@@ -97,13 +101,24 @@ def print_report(r: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pagedserve.benchmarks.timeline_plot import check_path, write_timeline
     from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.timeline import StepTimeline
 
+    if args.timeline:
+        check_path(args.timeline)
     engine = LLMEngine(EngineArgs.from_cli_args(args))
+    engine.timeline = StepTimeline(maxlen=None)  # every step, for --timeline
     samples = datasets.get_samples(args, engine.tokenizer, engine.hf_config.vocab_size,
                                    engine.max_model_len)
     result = run(engine, samples, not args.disable_detokenize, not args.disable_tqdm)
     print_report(result)
+    if args.timeline:
+        write_timeline(args.timeline, engine.timeline.columns(), engine.num_blocks,
+                       f"pagedserve bench throughput: {len(samples)} requests, "
+                       f"{engine.scheduler_config.scheduling} batching, "
+                       f"{result['output_tokens_per_second']:.1f} output tok/s")
+        print(f"timeline written to {args.timeline}")
     if result["output_tokens"] != result["expected_output_tokens"]:
         print(f"warning: {result['output_tokens']} output tokens generated, "
               f"{result['expected_output_tokens']} expected")

@@ -264,7 +264,7 @@ function renderSteps(steps) {
   const c = dashboard.charts;
   c.tokens.setData([steps.step, steps.prefill_tokens, steps.decode_tokens]);
   c.time.setData([steps.step, steps.duration.map((d) => d * 1000), steps.num_rows,
-    steps.num_preempted]);
+    steps.num_preempted.map((n) => n || null)]);  // a point only where preemptions happened
   c.blocks.setData([steps.step, steps.used_blocks, steps.num_running, steps.num_waiting]);
 }
 
