@@ -340,3 +340,44 @@ def test_gauges_count_the_step_being_computed(tiny_llama):
         llm.shutdown()
     assert seen == {"running": 1, "waiting": 1}
     assert all(o.finished and len(o.outputs[0].token_ids) == 2 for o in outs)
+
+
+def test_run_between_steps(engine):
+    """The function runs on the engine thread, between steps (never inside one), also on
+    an idle engine; its error goes to the caller; after shutdown nothing runs."""
+    fake = engine.engine
+    inside_step = threading.Event()
+    step = fake.step
+
+    def marked_step(on_scheduled=None):
+        inside_step.set()
+        try:
+            return step(on_scheduled)
+        finally:
+            inside_step.clear()
+
+    fake.step = marked_step
+    fake.step_delay = 0.01
+
+    def look(eng):
+        return threading.get_ident(), inside_step.is_set(), eng.steps
+
+    def fail(eng):
+        raise KeyError("nope")
+
+    async def main():
+        idle = await engine.run_between_steps(look)
+        stream = await engine.add_request("r", "p", SamplingParams(max_tokens=30))
+        busy = [await engine.run_between_steps(look) for _ in range(5)]
+        with pytest.raises(KeyError, match="nope"):
+            await engine.run_between_steps(fail)
+        async for _ in stream:
+            pass
+        return idle, busy
+
+    idle, busy = run(main())
+    assert idle == (engine._thread.ident, False, 0)
+    assert all(thread == engine._thread.ident and not inside for thread, inside, _ in busy)
+    engine.shutdown()
+    with pytest.raises(EngineClosedError):
+        run(engine.run_between_steps(look))

@@ -10,7 +10,8 @@
     RequestStream  <-- loop.call_soon_threadsafe(one batch per step) -- outputs
 
 The engine (``LLMEngine``) is touched only by the engine thread, so it needs no locks.
-Requests are added and aborted between steps. Each request has a ``RequestStream`` that
+Requests are added and aborted between steps, and observers (the dashboard's snapshots,
+``run_between_steps``) read the engine there too. Each request has a ``RequestStream`` that
 keeps only its newest ``RequestOutput`` (outputs are cumulative, so a slow reader skips
 intermediate states but never loses text). Neither side blocks the other: the HTTP side
 only appends to the command deque; the engine thread only schedules callbacks on the loop.

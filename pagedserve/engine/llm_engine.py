@@ -332,7 +332,8 @@ class LLMEngine:
 
         ``on_scheduled`` (if given) is called once the step is scheduled and before the
         model runs, so that observers (the server's metrics) see the requests of a long
-        step as running while it computes; it is not called for an empty step.
+        step as running while it computes; it is not called for an empty step. Every
+        non-empty step is recorded in ``self.timeline`` (the dashboard's step chart).
         """
         start = time.monotonic()
         sched = self.scheduler.schedule()
