@@ -26,6 +26,7 @@ from conftest import wait_until
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.engine.async_engine import EngineClosedError
 from pagedserve.entrypoints.openai.api_server import build_app
 from pagedserve.entrypoints.openai.dashboard import SnapshotHub
 from pagedserve.entrypoints.openai.serving_engine import ServingContext
@@ -189,6 +190,18 @@ def test_slow_listener_gets_only_the_newest():
         return first, second, hub.listeners
 
     assert asyncio.run(main()) == ("s1", "s4", set())
+
+
+@pytest.mark.parametrize("error", [EngineClosedError("closing"), RuntimeError("a bug")])
+def test_streams_end_when_snapshots_fail(error):
+    async def take() -> str:
+        raise error
+
+    async def main():
+        hub = SnapshotHub(take, interval=0)
+        return [s async for s in hub.subscribe()], hub.listeners
+
+    assert asyncio.run(main()) == ([], set())
 
 
 def test_disable_dashboard():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -31,6 +32,7 @@ from pagedserve.engine.snapshot import take_snapshot
 from pagedserve.engine.timeline import LatencyWindow
 from pagedserve.entrypoints.openai.serving_engine import APIError
 
+logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 # Paths that show request metadata: they need the API key when one is set.
 PROTECTED_PATHS = ("/dashboard/state", "/dashboard/events")
@@ -54,7 +56,8 @@ class _Listener:
 
 class SnapshotHub:
     """Takes one snapshot every ``interval`` seconds while anyone listens, and hands it to
-    every listener; with nobody listening it takes none.
+    every listener; with nobody listening it takes none. When the engine closes (or a
+    snapshot fails) every stream ends.
 
     Args:
         take: coroutine function returning a snapshot serialized as JSON text.
@@ -74,6 +77,9 @@ class SnapshotHub:
             try:
                 payload = await self.take()
             except EngineClosedError:
+                payload = None
+            except Exception:  # a bug: end the streams (clients reconnect) rather than hang
+                logger.exception("dashboard snapshot failed")
                 payload = None
             for listener in list(self.listeners):
                 listener.put(payload)
