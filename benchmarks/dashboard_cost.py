@@ -4,7 +4,8 @@ Starts one `pagedserve serve` (extra arguments after `--` go to it), then runs t
 batch of completions (all at once, greedy, `ignore_eos`) in alternating rounds: with no
 dashboard, then with one client reading `/dashboard/events` as the page does (every
 snapshot parsed), and so on. Prints both output throughputs (median over rounds), their
-ratio and the CPU flags. Alternating rounds in one run keep the comparison fair on a
+ratio, the CPU flags, and what the snapshots cost the engine thread (``snapshot_seconds``,
+measured by the engine: a figure the machine's noise moves far less than throughput). Alternating rounds in one run keep the comparison fair on a
 shared, noisy machine.
 
     python benchmarks/dashboard_cost.py --rounds 3 --num-requests 16 --max-tokens 64
@@ -50,22 +51,25 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not start in 900 s")
 
 
-async def watch_dashboard(client: httpx.AsyncClient, url: str, stop: asyncio.Event) -> int:
-    """Read /dashboard/events until ``stop``; returns the number of snapshots read."""
-    count = 0
+async def watch_dashboard(client: httpx.AsyncClient, url: str, stop: asyncio.Event
+                          ) -> list[float]:
+    """Read /dashboard/events until ``stop``; returns each snapshot's cost to the engine
+    thread (``snapshot_seconds``)."""
+    costs = []
     async with client.stream("GET", url + "/dashboard/events", timeout=None) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: "):
-                json.loads(line[6:])
-                count += 1
+                costs.append(json.loads(line[6:])["snapshot_seconds"])
             if stop.is_set():
                 break
-    return count
+    return costs
 
 
-async def one_round(url: str, args: argparse.Namespace, dashboard: bool) -> tuple[float, int]:
-    """Output tokens/s of one batch, and the snapshots the dashboard client read."""
+async def one_round(url: str, args: argparse.Namespace, dashboard: bool
+                    ) -> tuple[float, float, list[float]]:
+    """Output tokens/s of one batch, its duration (s), and the costs of the snapshots the
+    dashboard client read."""
     async with httpx.AsyncClient(timeout=None) as client:
         stop = asyncio.Event()
         watcher = (asyncio.create_task(watch_dashboard(client, url, stop)) if dashboard
@@ -79,9 +83,9 @@ async def one_round(url: str, args: argparse.Namespace, dashboard: bool) -> tupl
             for i in range(args.num_requests)))
         elapsed = time.perf_counter() - start
         stop.set()
-        snapshots = await watcher if watcher is not None else 0
+        costs = await watcher if watcher is not None else []
     tokens = sum(r.raise_for_status().json()["usage"]["completion_tokens"] for r in replies)
-    return tokens / elapsed, snapshots
+    return tokens / elapsed, elapsed, costs
 
 
 def main() -> int:
@@ -94,13 +98,18 @@ def main() -> int:
     args = parser.parse_args()
     proc, url = start_server(args.server_args)
     results: dict[bool, list[float]] = {False: [], True: []}
+    costs, open_time = [], 0.0
     try:
         asyncio.run(one_round(url, args, False))  # warm-up, not counted
         for r in range(args.rounds):
             for dashboard in (False, True):
-                tps, snapshots = asyncio.run(one_round(url, args, dashboard))
+                tps, elapsed, round_costs = asyncio.run(one_round(url, args, dashboard))
                 results[dashboard].append(tps)
-                extra = f", {snapshots} snapshots read" if dashboard else ""
+                extra = ""
+                if dashboard:
+                    costs += round_costs
+                    open_time += elapsed
+                    extra = f", {len(round_costs)} snapshots read"
                 print(f"round {r + 1}, dashboard {'open' if dashboard else 'closed'}: "
                       f"{tps:.1f} output tok/s{extra}", flush=True)
     finally:
@@ -113,6 +122,9 @@ def main() -> int:
     print(f"no dashboard:       {closed:.1f} output tok/s (median of {args.rounds})")
     print(f"one dashboard open: {opened:.1f} output tok/s (median of {args.rounds})")
     print(f"cost: {100 * (1 - opened / closed):.1f}% of throughput")
+    print(f"snapshots: {len(costs)}, {1000 * statistics.mean(costs):.2f} ms each on the engine "
+          f"thread (max {1000 * max(costs):.2f}): {100 * sum(costs) / open_time:.2f}% of the "
+          f"time the dashboard was open")
     return 0
 
 

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -126,6 +127,11 @@ def test_page_and_static_files_need_no_key(server):
     assert 'content="api-key-required"' in page.text  # the page asks for the key first
     for name in ("dashboard.js", "dashboard.css", "uPlot.iife.min.js", "uPlot.min.css"):
         assert httpx.get(f"{server}/dashboard/static/{name}").status_code == 200, name
+    # Relative URLs only (a proxy prefix survives), nothing from another host.
+    js = httpx.get(f"{server}/dashboard/static/dashboard.js").text
+    urls = re.findall(r'(?:src|href)="([^"]+)"', page.text) + re.findall(r'fetch\("([^"]+)"', js)
+    assert "dashboard/events" in urls and "dashboard/static/dashboard.js" in urls
+    assert not [u for u in urls if u.startswith(("/", "http")) or "//" in u], urls
     # Relative redirect: the page's relative URLs need it at /dashboard, even behind a prefix.
     slash = httpx.get(server + "/dashboard/")
     assert slash.status_code == 307 and slash.headers["location"] == "../dashboard"
@@ -143,7 +149,7 @@ def test_state_is_the_whole_pool(server, num_gpu_blocks):
     snap = _state(server)
     (pool,) = snap["pools"]
     state = np.frombuffer(base64.b64decode(pool["state"]), np.uint8)
-    filled = np.frombuffer(base64.b64decode(pool["filled"]), "<u2")
+    filled = np.frombuffer(base64.b64decode(pool["filled"]), pool["filled_dtype"])
     assert pool["num_blocks"] == state.size == filled.size == num_gpu_blocks
     assert snap["model"] == MODEL
     assert snap["kv_cache_stats"]["total_blocks"] == num_gpu_blocks

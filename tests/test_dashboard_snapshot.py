@@ -58,7 +58,8 @@ def test_pool_state_follows_the_pool_step_by_step(engine):
     seen_states = set()
     while engine.has_unfinished_requests():
         engine.step()
-        pool = pool_state(engine.kv_cache_manager, engine.scheduler)
+        pool = pool_state(engine.kv_cache_manager, engine.scheduler,
+                      engine.kv_cache_manager.block_tables())
         state, filled = _expected_state(engine)
         assert pool.state.tolist() == state
         assert pool.filled.tolist() == filled
@@ -69,7 +70,8 @@ def test_pool_state_follows_the_pool_step_by_step(engine):
         assert totals["tokens"] <= stats.num_tokens
         seen_states.update(state)
     assert {USED, SHARED, CACHED} <= seen_states
-    final = pool_state(engine.kv_cache_manager, engine.scheduler)
+    final = pool_state(engine.kv_cache_manager, engine.scheduler,
+                      engine.kv_cache_manager.block_tables())
     assert set(final.state.tolist()) <= {FREE, CACHED}
     assert final.totals()["used"] == 0
 
@@ -83,11 +85,13 @@ def test_snapshot_wire_format(engine):
                                                                 max_tokens=1))
     engine.step()
     snap = take_snapshot(engine)
-    pool = pool_state(engine.kv_cache_manager, engine.scheduler)
+    pool = pool_state(engine.kv_cache_manager, engine.scheduler,
+                      engine.kv_cache_manager.block_tables())
     (wire,) = snap["pools"]
     assert np.frombuffer(base64.b64decode(wire["state"]), np.uint8).tolist() == \
         pool.state.tolist()
-    assert np.frombuffer(base64.b64decode(wire["filled"]), "<u2").tolist() == \
+    assert wire["filled_dtype"] == "uint8"  # block_size 4
+    assert np.frombuffer(base64.b64decode(wire["filled"]), np.uint8).tolist() == \
         pool.filled.tolist()
     assert wire["num_blocks"] == 40 and wire["block_size"] == BLOCK_SIZE
     assert snap["step"] == 1

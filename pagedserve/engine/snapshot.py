@@ -7,7 +7,7 @@ per-token data. The block pool travels as two compact arrays, one entry per bloc
 
     state   uint8    0 free, 1 held by one request, 2 shared (ref count > 1),
                      3 cached and free (prefix cache, evictable)
-    filled  uint16   K/V slots written, 0..block_size
+    filled  uint8    K/V slots written, 0..block_size (uint16 if block_size > 255)
 
 A block's holders are the requests whose block table (``requests[i]["blocks"]``) lists it;
 its reference count is their number.
@@ -39,7 +39,7 @@ class PoolState:
     """Per-block arrays of one KV pool (see the module docstring) and the block size."""
 
     state: np.ndarray  # uint8 [num_blocks]
-    filled: np.ndarray  # uint16 [num_blocks]
+    filled: np.ndarray  # uint8 [num_blocks], uint16 if block_size > 255
     block_size: int
 
     def totals(self) -> dict:
@@ -61,12 +61,13 @@ class PoolState:
         }
 
 
-def pool_state(kv: KVCacheManager, scheduler: Scheduler) -> PoolState:
-    """The pool's block states and fill levels, from the block tables (a block's fill is
-    its most advanced holder's: ``min(block_size, num_computed_tokens - i * block_size)``
-    for logical block ``i``) and the prefix-cache table (cached free blocks are full)."""
+def pool_state(kv: KVCacheManager, scheduler: Scheduler,
+               tables: dict[str, list[int]]) -> PoolState:
+    """The pool's block states and fill levels, from the block tables ``tables``
+    (``kv.block_tables()``; a block's fill is its most advanced holder's:
+    ``min(block_size, num_computed_tokens - i * block_size)`` for logical block ``i``) and
+    the prefix-cache table (cached free blocks are full)."""
     n, bs = kv.pool.num_blocks, kv.block_size
-    tables = kv.block_tables()
     lengths = np.fromiter((len(t) for t in tables.values()), np.int64, len(tables))
     ids = np.fromiter(itertools.chain.from_iterable(tables.values()), np.int64,
                       int(lengths.sum()))
@@ -77,22 +78,23 @@ def pool_state(kv: KVCacheManager, scheduler: Scheduler) -> PoolState:
     # Logical index of each entry within its own table: 0, 1, 2, 0, 1, 0, ...
     logical = np.arange(ids.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     fill = np.clip(np.repeat(computed, lengths) - logical * bs, 0, bs)
-    filled = np.zeros(n, np.uint16)
-    np.maximum.at(filled, ids, fill.astype(np.uint16))
+    dtype = np.uint8 if bs <= 255 else np.dtype("<u2")
+    filled = np.zeros(n, dtype)
+    np.maximum.at(filled, ids, fill.astype(dtype))
     cached = np.asarray(kv.pool.cached_free_block_ids(), np.int64)
     state[cached] = CACHED
     filled[cached] = bs
     return PoolState(state, filled, bs)
 
 
-def _request_row(r: Request, kv: KVCacheManager, now: float) -> dict:
+def _request_row(r: Request, tables: dict[str, list[int]], now: float) -> dict:
     return {
         "id": r.request_id,
         "status": r.status.name.lower(),
         "prompt_tokens": r.num_prompt_tokens,
         "prompt_computed": min(r.num_computed_tokens, r.num_prompt_tokens),
         "output_tokens": r.num_output_tokens,
-        "blocks": kv.block_ids(r.request_id),
+        "blocks": tables.get(r.request_id, []),
         "cached_tokens": r.num_cached_tokens,
         "preemptions": r.num_preemptions,
         "age": now - r.arrival_time,
@@ -108,18 +110,23 @@ def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> di
 
     Keys: ``step`` (steps completed), ``time`` (Unix seconds), ``pools`` (one per replica:
     ``num_blocks``, ``block_size``, ``state`` / ``filled`` as base64 of the little-endian
-    arrays above, ``totals``), ``kv_cache_stats`` (``LLMEngine.kv_cache_stats()``, counted
+    arrays above, ``filled_dtype`` (``uint8`` or ``uint16``), ``totals``), ``kv_cache_stats`` (``LLMEngine.kv_cache_stats()``, counted
     by the pool itself), ``running`` / ``waiting`` (request rows: ids and counts, no text;
     ``age`` in seconds), ``steps`` (the step timeline as columns, oldest first; ``ago`` in
     seconds before now, ``duration`` in seconds) and ``latency`` (TTFT / TPOT / end-to-end
-    percentiles in seconds over ``latency``'s window; empty without one).
+    percentiles in seconds over ``latency``'s window; empty without one) and
+    ``snapshot_seconds`` (the engine thread's time spent taking it).
     """
     sched, kv = engine.scheduler, engine.kv_cache_manager
+    start = time.perf_counter()
     now = time.monotonic()
-    pool = pool_state(kv, sched)
+    tables = kv.block_tables()
+    pool = pool_state(kv, sched, tables)
     steps = engine.timeline.columns()
-    steps["ago"] = [now - t for t in steps.pop("end")]
-    return {
+    # 0.1 ms is plenty for a chart, and short numbers keep the JSON small and quick.
+    steps["ago"] = np.round(now - np.asarray(steps.pop("end")), 4).tolist()
+    steps["duration"] = np.round(np.asarray(steps["duration"]), 4).tolist()
+    snapshot = {
         "step": engine.timeline.num_steps,
         "time": time.time(),
         "pools": [{
@@ -127,13 +134,16 @@ def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> di
             "num_blocks": int(pool.state.size),
             "block_size": pool.block_size,
             "state": _b64(pool.state),
-            "filled": _b64(pool.filled.astype("<u2")),
+            "filled": _b64(pool.filled),
+            "filled_dtype": pool.filled.dtype.name,
             "totals": pool.totals(),
         }],
         "kv_cache_stats": asdict(engine.kv_cache_stats()),
-        "running": [_request_row(r, kv, now) for r in sched.running_requests()],
-        "waiting": [_request_row(r, kv, now) for r in sched.waiting_requests()],
+        "running": [_request_row(r, tables, now) for r in sched.running_requests()],
+        "waiting": [_request_row(r, tables, now) for r in sched.waiting_requests()],
         "steps": steps,
         "latency": {} if latency is None else {"window": latency.seconds,
                                                **latency.percentiles()},
     }
+    snapshot["snapshot_seconds"] = time.perf_counter() - start  # what it cost the engine
+    return snapshot

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,8 +17,7 @@ from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.metrics import IterationStats, SchedulerStats
 
 
-@dataclass(slots=True)
-class StepRecord:
+class StepRecord(NamedTuple):
     """One engine step.
 
     ``prefill_tokens`` counts prompt tokens and tokens recomputed after a preemption;
@@ -87,8 +87,8 @@ class StepTimeline:
     def columns(self) -> dict[str, list]:
         """The records as columns (``step``, ``end``, ``duration``, ... as in
         ``StepRecord``), oldest first: what charts take."""
-        names = StepRecord.__slots__
-        return {name: [getattr(r, name) for r in self.records] for name in names}
+        columns = zip(*self.records) if self.records else ([] for _ in StepRecord._fields)
+        return {name: list(col) for name, col in zip(StepRecord._fields, columns)}
 
 
 class LatencyWindow:
@@ -132,11 +132,9 @@ class LatencyWindow:
         self._prune(self.clock())
         out = {}
         for name, values in self._values.items():
-            data = np.fromiter((v for _, v in values), dtype=np.float64, count=len(values))
-            row: dict = {"count": len(data)}
-            for q in qs:
-                row[f"p{q}"] = float(np.percentile(data, q)) if len(data) else None
-            out[name] = row
+            points = ([None] * len(qs) if not values
+                      else np.percentile([v for _, v in values], qs).tolist())
+            out[name] = {"count": len(values), **{f"p{q}": p for q, p in zip(qs, points)}}
         return out
 
 

@@ -129,7 +129,7 @@ function poolElements(i) {
 
 function renderPool(wire, i, requests) {
   const state = decode(wire.state, Uint8Array);
-  const filled = decode(wire.filled, Uint16Array);
+  const filled = decode(wire.filled, wire.filled_dtype === "uint16" ? Uint16Array : Uint8Array);
   const holders = new Map();
   for (const r of requests) {
     for (const b of r.blocks) {
