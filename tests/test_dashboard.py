@@ -103,7 +103,8 @@ class LongRequest:
         self._thread.start()
 
     def _run(self, server: str) -> None:
-        body = {"model": MODEL, "prompt": "Once upon a time, in a small village,",
+        # ~60 prompt tokens: full blocks, which stay cached (free) once it ends.
+        body = {"model": MODEL, "prompt": "Once upon a time, in a small village, " * 6,
                 "max_tokens": 600, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", server + "/v1/completions", json=body, headers=AUTH,
                           timeout=120) as response:
@@ -252,7 +253,7 @@ def test_page_follows_the_engine(server, browser, num_gpu_blocks):
     """The page loads without console errors, asks for the key, draws one cell per block,
     and its used count (computed by the page from the block states) equals the engine's
     kv_cache_stats() of the same step while a request runs, then returns to 0 once the
-    request has left the running list."""
+    request has left the running list (its cached blocks are free, not used)."""
     page = browser.new_page(viewport={"width": 1300, "height": 1000})
     problems = []
     page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
@@ -288,6 +289,9 @@ def test_page_follows_the_engine(server, browser, num_gpu_blocks):
         done = request.request_id not in view["running"] and view["used"] == 0
         return view if done else None
 
-    wait_until(drained, 120, "the request to leave and its blocks to be freed")
+    view = wait_until(drained, 120, "the request to leave and its blocks to be freed")
+    # Its full blocks stay in the prefix cache: free, yet not blank (and not counted used).
+    cached = page.evaluate("dashboard.snapshot.kv_cache_stats.cached_blocks")
+    assert cached >= 3, view
     assert problems == []
     page.close()
