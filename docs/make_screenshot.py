@@ -59,7 +59,9 @@ def main() -> int:
             for t in threads:
                 t.start()
                 time.sleep(0.5)
-            time.sleep(20)
+            # Enough steps for the charts to say something (a loaded machine takes minutes).
+            page.wait_for_function("dashboard.snapshot && dashboard.snapshot.step >= 80",
+                                   timeout=600_000)
             out = Path(__file__).with_name("dashboard.png")
             page.screenshot(path=str(out), full_page=True)
             print(f"wrote {out}")

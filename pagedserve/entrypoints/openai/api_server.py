@@ -7,8 +7,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 
 Errors always use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
 bad JSON, bad types, out-of-range values and prompts that do not fit; 401 for a missing or
-wrong key when ``--api-key`` is set (``/v1/*`` as vLLM, and the dashboard's data); 404 for an unknown model or
-route; 503 while shutting down. Bad input never yields a 500.
+wrong key when ``--api-key`` is set (``/v1/*`` as vLLM, and the dashboard's data); 404 for
+an unknown model or route; 503 while shutting down. Bad input never yields a 500.
 
 SIGINT/SIGTERM: stop accepting connections, abort requests in flight (their streams end
 with an error event), and exit 0.
