@@ -280,6 +280,17 @@ def test_page_follows_the_engine(server, browser, num_gpu_blocks):
             return len(seen) >= 3
 
         wait_until(observed_running, 120, "three snapshots of the running request")
+        # Hovering the request's first block names it; 60 prompt tokens fill that block.
+        box = page.evaluate("""(rid) => {
+            const pool = dashboard.pools[0], {cell, cols} = pool.layout;
+            const row = dashboard.snapshot.running.find(r => r.id === rid);
+            const b = row.blocks[0];
+            return {x: (b % cols) * cell + cell / 2, y: Math.floor(b / cols) * cell + cell / 2};
+        }""", request.request_id)
+        page.hover("#pool-0 canvas", position=box)
+        tip = page.text_content("#tooltip")
+        assert f"holders {request.request_id}" in tip and "ref count 1" in tip, tip
+        assert "slots filled 16 / 16" in tip, tip
     finally:
         request.stop()
 
