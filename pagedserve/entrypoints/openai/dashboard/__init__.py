@@ -4,7 +4,8 @@ Routes (all relative, so the page works behind a proxy prefix):
 
 - ``GET /dashboard``: the page (static files shipped in this package; no CDN). It loads
   without the API key and asks for it when the data endpoints answer 401.
-- ``GET /dashboard/static/...``: its script, styles and the vendored uPlot (MIT).
+- ``GET /dashboard/static/...``: its script, styles and the vendored uPlot 1.6.32 (MIT;
+  ``npm pack uplot``: ``dist/uPlot.iife.min.js``, ``dist/uPlot.min.css``, ``LICENSE``).
 - ``GET /dashboard/state``: one snapshot as JSON (``pagedserve.engine.snapshot``).
 - ``GET /dashboard/events``: snapshots as Server-Sent Events (``data: {json}``), at most
   ``SnapshotHub.interval`` apart. A client that reads slowly skips snapshots: each one
