@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.cpu_ops import load_cpu_ops
 from pagedserve.engine.args import EngineArgs
 from pagedserve.models.int8 import Int8Weight, int8_linear, quantize_model, quantize_weight
 from pagedserve.models.quant import Linear, use_gguf_kernels
@@ -36,6 +37,31 @@ def test_int8_linear_equals_float64_reference():
     # and it is an approximation of the float product (~1% for Gaussian data)
     exact = x.reshape(10, 96).double() @ w.double().T + bias.double()
     assert (out.reshape(10, 40) - exact).norm() / exact.norm() < 0.03
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_kernels_equal_the_pytorch_ops_bit_for_bit(monkeypatch, dtype, with_bias):
+    """The C++ quantize and epilogue passes (csrc/int8_ops_cpu.cpp) against the PyTorch
+    ops they replace, on rows with a zero row, ties at .5 and a loud row."""
+    from pagedserve.models import int8 as int8_module
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 96, generator=gen)
+    x[3] = 0
+    x[5, :4] = torch.tensor([0.5, 1.5, -2.5, 127.0])  # absmax 127: q = x exactly, ties even
+    x[5, 4:] = 0
+    x[9] *= 1e4
+    w = quantize_weight(torch.randn(50, 96, generator=gen))
+    bias = torch.randn(50, generator=gen).to(dtype) if with_bias else None
+    x = x.to(dtype)
+    fused = int8_linear(x, w, bias)
+    monkeypatch.setattr(int8_module, "cpu_layer_ops", lambda t: None)
+    assert torch.equal(fused, int8_linear(x, w, bias))
+    q, scale = load_cpu_ops().quantize_rows_int8(x)
+    ref_q, ref_scale = int8_module.quantize_rows(x)
+    assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+    assert q[5, :4].tolist() == [0, 2, -2, 127]
 
 
 def test_a_row_result_does_not_depend_on_other_rows():
@@ -74,11 +100,17 @@ def test_bfloat16_input_gives_bfloat16_output():
 
 def test_quantize_model_replaces_weights(tiny_llama):
     from pagedserve.attention import get_attention_backend
-    from pagedserve.models.loader import load_config
+    from pagedserve.models.loader import iter_weights, load_config
     from pagedserve.models.registry import get_model_class
 
     config = load_config(tiny_llama[0])
-    model = get_model_class(config)(config, get_attention_backend("torch", "cpu"), 128)
+
+    def load():  # Linear leaves its weights uninitialized until loaded
+        model = get_model_class(config)(config, get_attention_backend("torch", "cpu"), 128)
+        model.load_weights(iter_weights(tiny_llama[0], torch.float32))
+        return model
+
+    model = load()
     assert quantize_model(model, lm_head=False, skip=()) == 2 * 4  # qkv, o, gate_up, down
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert all(m.weight.dtype == torch.int8 for m in linears if m is not model.lm_head)
@@ -88,14 +120,13 @@ def test_quantize_model_replaces_weights(tiny_llama):
     assert torch.equal(down(torch.randn(3, 128)).isfinite(), torch.ones(3, 64, dtype=bool))
     assert quantize_model(model, skip=()) == 9 and model.lm_head.weight.dtype == torch.int8
     assert model.compute_logits(x).shape == (3, 96)
-    fresh = get_model_class(config)(config, get_attention_backend("torch", "cpu"), 128)
+    fresh = load()
     assert quantize_model(fresh) == 2 * 3 + 1  # FLOAT_LAYERS: down_proj stays float
     assert fresh.layers[1].mlp.down_proj.weight.dtype == torch.float32
 
 
 def test_int8_choice_and_errors(model_path):
-    assert not use_gguf_kernels("int8", model_path, "cpu")  # alternatives
-    assert not use_gguf_kernels("int8", model_path, "cpu")
+    assert not use_gguf_kernels("int8", model_path, "cpu")  # the alternative to GGUF blocks
     with pytest.raises(ValueError, match="int8.*CPU only"):
         use_gguf_kernels("int8", model_path, "cuda")
     with pytest.raises(ValueError, match="int8"):  # the message lists the choices

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedserve.cpu_ops import cpu_layer_ops
+
 # Linear layers (last name part) left in float. Measured on SmolLM2-135M (perplexity of the
 # MT-Bench reference answers, benchmarks/README.md): every Linear and the LM head in int8
 # cost +2.64% over float32, all but down_proj +1.92%, inside the 2% bound (down_proj alone
@@ -63,9 +65,17 @@ def quantize_weight(weight: torch.Tensor) -> Int8Weight:
 def int8_linear(x: torch.Tensor, weight: Int8Weight,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight.T (+ bias) -> [..., N]`` in x's dtype, with ``x`` quantized per
-    row (token) by ``quantize_rows`` and the product summed in int32 by ``torch._int_mm``."""
+    row (token) by ``quantize_rows`` and the product summed in int32 by ``torch._int_mm``.
+    On CPU the quantization and the scaling run as two C++ passes with the same result."""
     rows = x.numel() // x.shape[-1]
-    q, scale = quantize_rows(x.reshape(rows, -1))
+    x2d = x.reshape(rows, -1)
+    ops = cpu_layer_ops(x)
+    if ops is not None:  # the same arithmetic in one C++ pass each (csrc/int8_ops_cpu.cpp)
+        q, scale = ops.quantize_rows_int8(x2d)
+        acc = torch._int_mm(q, weight.qweight.t())
+        out = ops.int8_scaled_mm_epilogue(acc, scale, weight.scale, bias, x.dtype)
+        return out.view(*x.shape[:-1], -1)
+    q, scale = quantize_rows(x2d)
     out = torch._int_mm(q, weight.qweight.t()).float().mul_(scale).mul_(weight.scale)
     if bias is not None:
         out.add_(bias)
