@@ -150,8 +150,9 @@ class DistributedExecutor:
         """Raise ``RuntimeError`` naming a rank that ended while the ranks were joining."""
         raise NotImplementedError
 
-    def _stop_ranks(self) -> None:
-        """Wait briefly for ranks 1.. to end after the shutdown command, then kill them."""
+    def _stop_ranks(self, told: bool) -> None:
+        """End ranks 1..: ``told`` (they got the shutdown command): let them exit on their
+        own; else kill them."""
         raise NotImplementedError
 
     # -----------------------------------------------------------------------------------
@@ -205,12 +206,14 @@ class DistributedExecutor:
         if self._closing:
             return
         self._closing = True
-        if self._dead is None and hasattr(self, "group"):
+        told = False
+        if self._dead is None and getattr(self, "group", None) is not None:
             try:
                 self.group.send_command(("shutdown",))
+                told = True
             except RuntimeError as err:  # a rank is already gone: it gets killed below
                 logger.warning("could not send shutdown to the ranks: %s", err)
-        self._stop_ranks()
+        self._stop_ranks(told)
         self.group = None
 
 
@@ -232,8 +235,11 @@ class MultiprocExecutor(DistributedExecutor):
         return self.world_size
 
     def _wait_for_exit(self) -> str:
-        multiprocessing.connection.wait([p.sentinel for p in self.procs])
-        rank, proc = next((i + 1, p) for i, p in enumerate(self.procs) if not p.is_alive())
+        sentinels = [p.sentinel for p in self.procs]
+        ended = multiprocessing.connection.wait(sentinels)[0]
+        rank = sentinels.index(ended) + 1
+        proc = self.procs[rank - 1]
+        proc.join(timeout=1.0)  # sets exitcode
         return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
 
     def _check_started(self) -> None:
@@ -242,10 +248,11 @@ class MultiprocExecutor(DistributedExecutor):
                 raise RuntimeError(f"tensor-parallel rank {rank} exited with code {p.exitcode} "
                                    "while starting (see its log above)")
 
-    def _stop_ranks(self) -> None:
+    def _stop_ranks(self, told: bool) -> None:
+        # A told rank exits by itself (its interpreter's teardown takes seconds: not waited
+        # for); multiprocessing reaps it.
         for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
+            if not told and p.is_alive():
                 p.kill()
                 p.join()
 

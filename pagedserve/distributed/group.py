@@ -7,7 +7,8 @@ Two gloo groups over one ``TCPStore`` that the driver hosts:
   ``--distributed-timeout``: a rank that does not take part within it is hung, and the
   collective raises on the others. On CUDA it is NCCL.
 - ``control``: the driver's commands to the other ranks (one pickled object, broadcast from
-  rank 0). Its timeout is long, because an idle server sends nothing for hours.
+  rank 0). The others wait on it without a practical limit, because an idle server sends
+  nothing for hours; the driver's sends time out like the compute group's collectives.
 
 A rank that dies closes its sockets, so a collective waiting on it fails at once.
 """
@@ -25,6 +26,9 @@ import torch.distributed as dist
 
 # How long ranks wait for each other's commands: an idle engine sends none.
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
+# How long the ranks may take to start and join (processes or Ray actors start slowly on a
+# loaded machine; a rank that dies meanwhile fails the start at once).
+STARTUP_TIMEOUT = 600.0
 
 
 def free_port(host: str) -> int:
@@ -42,8 +46,7 @@ def _wait_for_ranks(store: dist.TCPStore, world_size: int, timeout: float,
         if check_ranks is not None:
             check_ranks()
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the tensor-parallel ranks did not all join within {timeout:g} s "
-                               "(--distributed-timeout)")
+            raise RuntimeError(f"the tensor-parallel ranks did not all join within {timeout:g} s")
         time.sleep(0.05)
 
 
@@ -54,8 +57,8 @@ class RankGroup:
         rank: this rank, 0 (the driver, which hosts the store) to ``world_size - 1``.
         world_size: number of ranks.
         host, port: address of the driver's ``TCPStore``.
-        timeout: seconds a collective may wait (``--distributed-timeout``); the same bound
-            applies to the start-up rendezvous.
+        timeout: seconds a collective may wait (``--distributed-timeout``); joining may
+            take ``max(timeout, STARTUP_TIMEOUT)``.
         device: ``cpu`` (gloo) or a CUDA device (NCCL for the compute group).
 
         check_ranks: the driver's check, called while it waits for the others to join,
@@ -69,11 +72,12 @@ class RankGroup:
     def __init__(self, rank: int, world_size: int, host: str, port: int, timeout: float,
                  device: str = "cpu", check_ranks: Callable[[], None] | None = None) -> None:
         self.rank, self.world_size = rank, world_size
-        wait = datetime.timedelta(seconds=timeout)
-        self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=wait,
-                                   wait_for_workers=False)
+        wait = self.timeout = datetime.timedelta(seconds=timeout)
+        startup = max(timeout, STARTUP_TIMEOUT)
+        self.store = dist.TCPStore(host, port, world_size, rank == 0, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=startup))
         if rank == 0:
-            _wait_for_ranks(self.store, world_size, timeout, check_ranks)
+            _wait_for_ranks(self.store, world_size, startup, check_ranks)
         else:
             self.store.set(f"joined/{rank}", "1")
         prefix = dist.PrefixStore
@@ -133,4 +137,6 @@ class RankGroup:
     def _broadcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        if self.is_driver:  # gloo's root waits for the others: a hung one must not hang it
+            opts.timeout = self.timeout
         self.control.broadcast([t], opts).wait()
