@@ -52,15 +52,15 @@ def _tiny_gemma3(path):
 # A 12-token shared prefix (prefix caching), prompts longer than the step budget (chunked
 # prefill), a pool too small for all of them at once (preemption), and n=2 (copy-on-write).
 PROMPTS = [[1] + [7, 3, 11, 5, 8, 13, 21, 4, 9, 6, 10] + [20 + i] * (3 + 3 * i) for i in range(6)]
-ENGINE = dict(dtype="float32", skip_tokenizer_init=True, block_size=4, max_model_len=64,
-              num_gpu_blocks_override=16, max_num_batched_tokens=16, max_num_seqs=4)
+ENGINE = {"dtype": "float32", "skip_tokenizer_init": True, "block_size": 4, "max_model_len": 64,
+          "num_gpu_blocks_override": 16, "max_num_batched_tokens": 16, "max_num_seqs": 4}
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 def _params(vocab: int) -> list[SamplingParams]:
-    full = dict(temperature=0, max_tokens=12, ignore_eos=True, logprobs=vocab)
+    full = {"temperature": 0, "max_tokens": 12, "ignore_eos": True, "logprobs": vocab}
     return [SamplingParams(**full, prompt_logprobs=vocab if i == 0 else None, n=2 if i == 1 else 1)
             for i in range(len(PROMPTS))]
 

@@ -28,11 +28,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from pagedserve.config import resolve_device
 from pagedserve.distributed.config import ParallelConfig
 from pagedserve.distributed.group import RankGroup, free_port
 from pagedserve.distributed.worker import rank_device, run_worker, threads_per_rank
 from pagedserve.engine.args import EngineArgs
-from pagedserve.config import resolve_device
 from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -36,15 +36,14 @@ from pagedserve.worker.kv_cache import (
     MemoryProfile,
     allocate_kv_caches,
     bytes_per_block,
-    fixed_kv_budget,
     cpu_kv_budget,
     cuda_kv_budget,
+    fixed_kv_budget,
     measure_cpu_peak,
     measure_cuda_peak,
     num_kv_blocks,
     total_memory_bytes,
 )
-from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
