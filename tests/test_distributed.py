@@ -266,3 +266,43 @@ def test_hung_rank_fails_the_step_after_the_timeout(tiny_llama):
     finally:
         rank.kill()
         llm.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One Ray cluster of two nodes ("machines") on this machine, 1 CPU each, shared by the
+    Ray tests."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_tp2_over_two_ray_nodes_matches_tp1(tiny_llama, ray_cluster):
+    """Rank 0 (this process) on the head node, rank 1 as an actor on the other node; the
+    actor runs this checkout's pagedserve."""
+    import ray
+
+    import pagedserve
+
+    path, _ = tiny_llama
+    ref, _ = _run(path, 96)
+    llm = LLM(str(path), max_logprobs=96, **ENGINE, tensor_parallel_size=2,
+              distributed_executor_backend="ray")
+    try:
+        executor = llm.engine.executor
+        head = ray_cluster.head_node.node_id
+        assert executor.rank_nodes[0] == head != executor.rank_nodes[1]
+        (actor,) = executor.actors
+        assert ray.get(actor.node_id.remote()) == executor.rank_nodes[1]
+        assert ray.get(actor.package_file.remote()) == pagedserve.__file__
+        got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(96),
+                           use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    _assert_same(ref, got)
