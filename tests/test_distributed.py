@@ -9,12 +9,9 @@ the noise and far below any real error (a wrong shard is off by > 0.1).
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -25,9 +22,10 @@ import transformers
 from pagedserve import LLM, SamplingParams
 from pagedserve.distributed.executor import EngineDeadError
 from pagedserve.distributed.sharding import kv_head_range, shard_config, shard_weights
-from tests.conftest import wait_until
-
-START = 120  # seconds a server may take to load (the machine is shared)
+from pagedserve.engine.args import EngineArgs
+from pagedserve.engine.async_engine import AsyncLLM, EngineClosedError, EngineStepError
+from pagedserve.entrypoints.openai.api_server import build_app
+from pagedserve.entrypoints.openai.serving_engine import ServingContext
 
 
 def _tiny_gemma3(path):
@@ -173,82 +171,50 @@ def test_tp3_smollm2_matches_tp1(llm, chat_prompts):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
 
-def _rank_pids(pid: int) -> list[int]:
-    """The spawned rank processes among ``pid``'s children (not multiprocessing's
-    resource tracker)."""
-    children = []
-    for task in os.listdir(f"/proc/{pid}/task"):  # the engine thread started them
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children += [int(c) for c in f.read().split()]
-    ranks = []
-    for child in children:
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            cmdline = f.read()
-        if b"spawn_main" in cmdline:
-            ranks.append(child)
-    return ranks
-
-
 @pytest.fixture
-def tp2_server(tmp_path, model_path):
-    """A TP 2 server (mp) on a tiny model (the bundled model's tokenizer; token-id prompts)
-    with room for long generations."""
+def long_model(tmp_path):
+    """A tiny Llama with room for long generations (4096 positions)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=2,
                                       num_key_value_heads=2, max_position_embeddings=4096)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(tmp_path), "--port",
-         str(port), "--dtype", "float32", "--tokenizer", str(model_path), "-tp", "2",
-         "--num-gpu-blocks-override", "512",
-         "--uvicorn-log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-
-    def ready():
-        assert proc.poll() is None, (tmp_path / "server.log").read_text()
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(ready, START, "the TP 2 server to answer /health")
-    ranks = _rank_pids(proc.pid)
-    assert len(ranks) == 1
-    yield url, ranks[0], tmp_path / "server.log", str(tmp_path)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(ranks[0], signal.SIGKILL)
-    proc.terminate()
-    proc.wait(30)
-    log.close()
+    return str(tmp_path)
 
 
-def _stream_then(url: str, model: str, action) -> str:
-    """Start a long streamed completion, call ``action()`` after its first chunk, and
-    return the rest of the stream's text."""
-    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
-        assert resp.status_code == 200, resp.read()
-        lines = resp.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))
-        action()
-        return "\n".join(lines)
+def test_killed_rank_fails_requests_and_health(long_model):
+    """SIGKILL of rank 1 mid-request: the request ends with an error naming the rank, the
+    server's /health (the real route, over ASGI) answers 503, new requests are refused."""
+    engine = AsyncLLM.from_engine_args(EngineArgs(
+        model=long_model, dtype="float32", skip_tokenizer_init=True,
+        num_gpu_blocks_override=512, tensor_parallel_size=2))
+    (rank,) = engine.engine.executor.procs
+    app = build_app(ServingContext(engine=engine, served_model_name="m", model_aliases={"m"},
+                                   model_root=long_model, tokenizer=None, max_model_len=4096))
+    long = SamplingParams(max_tokens=4000, ignore_eos=True)
 
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            assert (await http.get("/health")).status_code == 200
+            stream = await engine.add_request("r", {"prompt_token_ids": [1, 2, 3]}, long)
+            await stream.get()  # the request runs
+            os.kill(rank.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(EngineStepError, match=r"engine is dead: tensor-parallel "
+                                                      r"rank 1 \(pid \d+\) exited with code -9"):
+                async for _ in stream:
+                    pass
+            while (await http.get("/health")).status_code != 503:
+                assert time.monotonic() - t0 < 30, "/health still 200 after 30 s"
+                await asyncio.sleep(0.1)
+            with pytest.raises(EngineClosedError):
+                await engine.add_request("r2", {"prompt_token_ids": [1]}, long)
 
-def test_killed_rank_fails_requests_and_health(tp2_server):
-    url, rank_pid, log, model = tp2_server
-    t0 = time.monotonic()
-    rest = _stream_then(url, model, lambda: os.kill(rank_pid, signal.SIGKILL))
-    assert '"error"' in rest and "engine is dead" in rest and "rank 1" in rest
-    wait_until(lambda: httpx.get(url + "/health").status_code == 503, 30, "/health 503")
-    assert time.monotonic() - t0 < 30
-    assert "tensor-parallel rank 1 (pid" in log.read_text()
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
 
 
 def test_hung_rank_fails_the_step_after_the_timeout(tiny_llama):
