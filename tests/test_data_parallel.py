@@ -25,7 +25,7 @@ def _series(text: str, name: str) -> dict[str, float]:
     without an engine label are keyed ``""``."""
     out = {}
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             engine = re.search(r'engine="(\d+)"', line)
             key = engine.group(1) if engine else ""
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])

@@ -113,6 +113,11 @@ def test_refuses_sizes_that_do_not_divide(tiny_llama, gemma_path):
         LLM(str(tiny_llama[0]), tensor_parallel_size=3, skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="'uni' runs one rank; tensor_parallel_size is 2"):
         LLM(str(gemma_path), tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of uni, "
+                                         "mp, ray; got 'nccl'"):
+        LLM(str(gemma_path), distributed_executor_backend="nccl")
+    with pytest.raises(ValueError, match="data_parallel_size > 1 runs replicas"):
+        LLM(str(gemma_path), data_parallel_size=2, skip_tokenizer_init=True)
     config = transformers.LlamaConfig(num_attention_heads=8, num_key_value_heads=6,
                                       intermediate_size=64)
     with pytest.raises(ValueError, match="tensor_parallel_size 4 and the model's 6 KV heads"):

@@ -104,8 +104,8 @@ class DriverModelRunner(ModelRunner):
 class DistributedExecutor:
     """Ranks 1.. elsewhere (subclasses start and watch them); rank 0 here.
 
-    Sets this process's torch threads to its share of the cores. Raises what starting the
-    ranks raises; ``RuntimeError`` if they do not join within ``distributed_timeout``.
+    Sets this process's torch threads to its share of the cores (until ``shutdown``). Raises
+    what starting the ranks raises; ``RuntimeError`` if they do not join in time.
     """
 
     model_runner_class = DriverModelRunner
@@ -119,10 +119,11 @@ class DistributedExecutor:
         self._exited = threading.Event()  # the watcher saw a rank end
         host = self._host()
         port = free_port(host)
-        ranks_here = self._start_ranks(host, port)
-        torch.set_num_threads(threads_per_rank(ranks_here))
-        device = rank_device(resolve_device(args.device), 0)
+        self._threads_before = torch.get_num_threads()  # restored at shutdown
         try:
+            ranks_here = self._start_ranks(host, port)
+            torch.set_num_threads(threads_per_rank(ranks_here))
+            device = rank_device(resolve_device(args.device), 0)
             self.group = RankGroup(0, self.world_size, host, port, self.timeout, device,
                                    self._check_started)
         except BaseException:
@@ -215,6 +216,7 @@ class DistributedExecutor:
                 logger.warning("could not send shutdown to the ranks: %s", err)
         self._stop_ranks(told)
         self.group = None
+        torch.set_num_threads(self._threads_before)
 
 
 class MultiprocExecutor(DistributedExecutor):
@@ -251,7 +253,7 @@ class MultiprocExecutor(DistributedExecutor):
     def _stop_ranks(self, told: bool) -> None:
         # A told rank exits by itself (its interpreter's teardown takes seconds: not waited
         # for); multiprocessing reaps it.
-        for p in self.procs:
+        for p in getattr(self, "procs", []):
             if not told and p.is_alive():
                 p.kill()
                 p.join()
