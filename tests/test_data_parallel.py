@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 from dataclasses import replace
 
 import pytest
@@ -79,6 +81,8 @@ def test_dp2_spreads_requests_and_matches_dp1(tiny_llama):
         with pytest.raises(ValueError, match="max_tokens"):  # a replica's ValueError
             asyncio.run(dp.add_request("bad", {"prompt_token_ids": [1]},
                                        SamplingParams(max_tokens=100)))
+        os.kill(dp.processes[1].pid, signal.SIGKILL)  # a replica dies: /health goes 503
+        wait_until(lambda: not dp.is_running, 30, "is_running False after a replica died")
     finally:
         dp.shutdown()
     assert not dp.is_running

@@ -158,7 +158,9 @@ class _Routed:
 class DataParallelLLM:
     """``args.data_parallel_size`` replicas with ``AsyncLLM``'s serving interface
     (``add_request``, ``generate``, ``abort``, ``abort_all``, ``is_running``, ``start``,
-    ``shutdown``); ``engine`` summarizes replica 0 for the server.
+    ``shutdown``); ``engine`` summarizes replica 0 for the server; ``processes`` are the
+    replicas' processes. A replica that exits fails its requests (``EngineStepError``) and
+    makes ``is_running`` False (the server's ``/health`` 503).
 
     Starts the replicas and waits until all are built; raises what a replica's
     ``LLMEngine`` raised (``ValueError`` for bad arguments), or ``RuntimeError`` when one
@@ -174,7 +176,7 @@ class DataParallelLLM:
         self._closing = False
         self._dead: set[int] = set()
         ctx = torch.multiprocessing.get_context("spawn")
-        self._conns, self._procs = [], []
+        self._conns, self.processes = [], []
         for i in range(n):
             ours, theirs = ctx.Pipe()
             # not daemonic: a replica starts processes of its own (tensor-parallel ranks)
@@ -183,7 +185,7 @@ class DataParallelLLM:
             proc.start()
             theirs.close()
             self._conns.append(ours)
-            self._procs.append(proc)
+            self.processes.append(proc)
         self.num_threads = len(replica_cpus(0, n))
         try:
             summaries = [self._wait_ready(i) for i in range(n)]
@@ -209,7 +211,7 @@ class DataParallelLLM:
             kind, value = self._conns[i].recv()
         except EOFError:
             raise RuntimeError(f"data-parallel replica {i} exited with code "
-                               f"{self._procs[i].exitcode} while starting") from None
+                               f"{self.processes[i].exitcode} while starting") from None
         if kind == "failed":
             raise value
         return value
@@ -279,7 +281,7 @@ class DataParallelLLM:
                     except OSError:  # it is gone already
                         pass
         deadline = time.monotonic() + timeout
-        for proc in self._procs:
+        for proc in self.processes:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
@@ -330,9 +332,9 @@ class DataParallelLLM:
                 return
             self._dead.add(i)
             mine = [rid for rid, r in self._requests.items() if r.replica == i]
-        self._procs[i].join(timeout=1.0)
+        self.processes[i].join(timeout=1.0)
         error = EngineStepError(f"data-parallel replica {i} exited with code "
-                                f"{self._procs[i].exitcode}")
+                                f"{self.processes[i].exitcode}")
         logger.error("%s; failing its %d requests", error, len(mine))
         for rid in mine:
             self._deliver(i, "error", rid, error)
