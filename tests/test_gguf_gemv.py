@@ -15,7 +15,11 @@ from gguf.quants import dequantize
 from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
 from pagedserve.models import quant as quant_module
-from pagedserve.models.gguf_loader import iter_gguf_blocks, iter_gguf_weights
+from pagedserve.models.gguf_loader import (
+    _dequantize_q4_1_q8_0,
+    iter_gguf_blocks,
+    iter_gguf_weights,
+)
 from pagedserve.models.quant import (
     KERNEL_TYPES,
     MAX_ROWS,
@@ -60,6 +64,13 @@ def test_kernel_matches_dequantized_linear(qtype, n, k):
         assert rel_err(out, exact) < max(4 * rel_err(F.linear(x, weight), exact), 2e-6)
 
 
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_torch_dequantization_is_bit_equal_to_gguf_py(qtype):
+    blocks = random_blocks(qtype, 37, 96, np.random.default_rng(int(qtype)))
+    ours = _dequantize_q4_1_q8_0(torch.from_numpy(blocks), qtype)
+    assert torch.equal(ours, torch.from_numpy(dequantize(blocks, qtype).copy()))
+
+
 def test_kernel_rejects_bad_inputs():
     ops = load_cpu_ops()
     blocks = torch.from_numpy(random_blocks(Q.Q8_0, 4, 64, np.random.default_rng(0)))
@@ -77,6 +88,7 @@ def test_linear_uses_blocks_up_to_max_rows_only():
     quant = GGUFWeight(torch.from_numpy(random_blocks(Q.Q4_1, 40, 64, rng)), Q.Q4_1)
     layer = Linear(64, 40, bias=True)
     torch.nn.init.zeros_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
     layer.quant = quant
     expected = F.linear(torch.ones(1, 64), torch.from_numpy(dequantize(quant.qweight.numpy(),
                                                                         Q.Q4_1).copy()))
@@ -86,6 +98,21 @@ def test_linear_uses_blocks_up_to_max_rows_only():
     torch.testing.assert_close(small, (expected + layer.bias).expand(MAX_ROWS, -1))
     torch.testing.assert_close(large, layer.bias.expand(MAX_ROWS + 1, -1))
     assert linear(torch.ones(2, 3, 64), layer.weight, None, quant).shape == (2, 3, 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_from_blocks_in_half_precision(dtype):
+    """bfloat16 / float16 rows (a half-precision model's small steps) are multiplied by the
+    blocks in float32 and come back in their own dtype, within that dtype's rounding of the
+    exact product (the weights dequantized by gguf-py)."""
+    rng = np.random.default_rng(2)
+    blocks = random_blocks(Q.Q4_1, 48, 96, rng)
+    quant = GGUFWeight(torch.from_numpy(blocks), Q.Q4_1)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = linear(x, torch.zeros(48, 96, dtype=dtype), None, quant)
+    exact = F.linear(x.double(), torch.from_numpy(dequantize(blocks, Q.Q4_1).copy()).double())
+    assert out.dtype == dtype and out.shape == (5, 48)
+    assert rel_err(out, exact) < torch.finfo(dtype).eps
 
 
 def test_wide_weights_multiply_in_column_slices(monkeypatch):
@@ -111,16 +138,15 @@ def test_wide_weights_multiply_in_column_slices(monkeypatch):
 
 
 def test_use_gguf_kernels_choices(model_path, tmp_path):
-    assert use_gguf_kernels(None, model_path, "cpu", torch.float32)
-    assert use_gguf_kernels("gguf", model_path, "cpu", torch.float32)
-    assert not use_gguf_kernels("none", model_path, "cpu", torch.float32)
-    assert not use_gguf_kernels(None, model_path, "cpu", torch.bfloat16)
-    assert not use_gguf_kernels(None, model_path, "cuda", torch.float32)
-    assert not use_gguf_kernels(None, tmp_path, "cpu", torch.float32)
+    assert use_gguf_kernels(None, model_path, "cpu")
+    assert use_gguf_kernels("gguf", model_path, "cpu")
+    assert not use_gguf_kernels("none", model_path, "cpu")
+    assert not use_gguf_kernels(None, model_path, "cuda")
+    assert not use_gguf_kernels(None, tmp_path, "cpu")
     with pytest.raises(ValueError, match="quantization"):
-        use_gguf_kernels("awq", model_path, "cpu", torch.float32)
+        use_gguf_kernels("awq", model_path, "cpu")
     with pytest.raises(ValueError, match="gguf"):
-        use_gguf_kernels("gguf", tmp_path, "cpu", torch.float32)
+        use_gguf_kernels("gguf", tmp_path, "cpu")
 
 
 def test_loader_blocks_dequantize_to_loaded_weights(model_path):

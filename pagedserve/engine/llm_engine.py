@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 KV_MEMORY_HINT = ("give the KV cache more memory (--gpu-memory-utilization or "
                   "--kv-cache-memory-bytes) or lower --max-num-batched-tokens")
 
-# A prompt: text, token ids, or vLLM's {"prompt_token_ids": [...]} / {"prompt": "..."}.
+# A prompt: text, token ids, or vLLM's {"prompt_token_ids": [...]} (optionally with its text
+# under "prompt") / {"prompt": "..."}.
 PromptType = str | list[int] | dict
 
 
@@ -65,7 +66,7 @@ def load_model(args: EngineArgs, hf_config, model_path, device: str, dtype: torc
     """
     tp = 1 if group is None else group.world_size
     cls = get_model_class(hf_config)
-    gguf_kernels = tp == 1 and use_gguf_kernels(args.quantization, model_path, device, dtype)
+    gguf_kernels = tp == 1 and use_gguf_kernels(args.quantization, model_path, device)
     with torch.device(device):
         model = cls(shard_config(hf_config, tp), backend, max_model_len).to(dtype)
         if group is not None:
@@ -284,8 +285,10 @@ class LLMEngine:
         self.scheduler.add_request(children[0], forks=children[1:])
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text = None
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
+            if "prompt_token_ids" in prompt:  # with an optional "prompt": its text
+                text = prompt.get("prompt")
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
@@ -303,7 +306,7 @@ class LLMEngine:
         if bad:
             raise ValueError(
                 f"token id {bad[0]} is out of the vocabulary [0, {self.hf_config.vocab_size})")
-        return None, prompt
+        return text, prompt
 
     def _truncate(self, text: str | None, token_ids: list[int], keep: int | None
                   ) -> tuple[str | None, list[int]]:
