@@ -277,3 +277,30 @@ def test_tp2_over_two_ray_nodes_matches_tp1(tiny_llama, ray_cluster):
     finally:
         llm.engine.shutdown()
     _assert_same(ref, got)
+
+
+def test_dp2_ray_replicas_on_two_nodes(tiny_llama, ray_cluster):
+    """Two data-parallel replicas as Ray actors, one per node; both serve, outputs as one
+    engine's."""
+    from pagedserve.distributed.data_parallel import DataParallelLLM
+
+    path = str(tiny_llama[0])
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = [o.outputs[0].token_ids for o in LLM(path, **ENGINE).generate(
+        prompts, GREEDY, use_tqdm=False)]
+    args = EngineArgs(model=path, **ENGINE, data_parallel_size=2,
+                      distributed_executor_backend="ray")
+    dp = DataParallelLLM(args)
+    try:
+        assert len(set(dp.replica_nodes)) == 2
+
+        async def main():
+            async def one(i):
+                async for out in dp.generate(prompts[i], GREEDY, f"r{i}"):
+                    final = out
+                return final.outputs[0].token_ids
+            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+        assert asyncio.run(main()) == ref
+    finally:
+        dp.shutdown()

@@ -82,22 +82,27 @@ class _PipeStatLogger:
 
 
 def run_replica(index: int, args: EngineArgs, conn: multiprocessing.connection.Connection,
-                cpus: set[int]) -> None:
+                cpus: set[int] | None, num_threads: int) -> None:
     """Entry point of replica ``index``: an ``AsyncLLM`` serving the server's commands from
-    ``conn`` until ``shutdown`` or until the server goes away."""
+    ``conn`` until ``shutdown`` or until the server goes away. ``cpus``: the CPUs to bind
+    to (None: unbound); ``num_threads``: its torch threads."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s replica {index} "
                         "%(levelname)s %(name)s: %(message)s")
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(num_threads)
     lock = threading.Lock()
 
     def send(message: tuple) -> None:
         with lock:
             conn.send(message)
 
+    # one replica: its tensor-parallel ranks (if any) use the backend asked for
+    backend = args.distributed_executor_backend if args.tensor_parallel_size > 1 else None
     try:
-        llm = AsyncLLM.from_engine_args(replace(args, data_parallel_size=1),
-                                        _PipeStatLogger(send))
+        llm = AsyncLLM.from_engine_args(
+            replace(args, data_parallel_size=1, distributed_executor_backend=backend),
+            _PipeStatLogger(send))
     except Exception as err:  # noqa: BLE001 - reported to the server, which raises it
         send(("failed", err))
         return
@@ -146,6 +151,25 @@ async def _run_request(llm: AsyncLLM, send, request_id: str, prompt, params: Sam
         send(("error", request_id, err))
 
 
+class ReplicaActor:
+    """A Ray actor holding one replica (``run`` blocks for its lifetime; a second thread
+    answers ``node_id``). It connects back to the server over TCP
+    (``multiprocessing.connection``, authenticated) and then speaks the same messages as a
+    process replica over its pipe."""
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def run(self, index: int, args: EngineArgs, address: tuple[str, int], authkey: bytes,
+            replicas_here: int) -> None:
+        conn = multiprocessing.connection.Client(address, authkey=authkey)
+        conn.send(("hello", index))
+        threads = max(1, len(os.sched_getaffinity(0)) // replicas_here)
+        run_replica(index, args, conn, None, threads)
+
+
 @dataclass
 class _Routed:
     replica: int
@@ -158,13 +182,16 @@ class _Routed:
 class DataParallelLLM:
     """``args.data_parallel_size`` replicas with ``AsyncLLM``'s serving interface
     (``add_request``, ``generate``, ``abort``, ``abort_all``, ``is_running``, ``start``,
-    ``shutdown``); ``engine`` summarizes replica 0 for the server; ``processes`` are the
-    replicas' processes. A replica that exits fails its requests (``EngineStepError``) and
-    makes ``is_running`` False (the server's ``/health`` 503).
+    ``shutdown``); ``engine`` summarizes replica 0 for the server. A replica that exits
+    fails its requests (``EngineStepError``) and makes ``is_running`` False (the server's
+    ``/health`` 503).
 
-    Starts the replicas and waits until all are built; raises what a replica's
+    Replicas are processes on this machine (``processes``; each bound to ``cores / N``
+    CPUs), or with ``distributed_executor_backend="ray"`` Ray actors of 1 CPU each
+    (``actors``, on the nodes ``replica_nodes``; threads: their node's cores / the replicas
+    there). Starts them and waits until all are built; raises what a replica's
     ``LLMEngine`` raised (``ValueError`` for bad arguments), or ``RuntimeError`` when one
-    exits while starting. Each replica is bound to ``cores / N`` CPUs.
+    exits while starting.
     """
 
     def __init__(self, args: EngineArgs, stat_logger=None) -> None:
@@ -175,19 +202,15 @@ class DataParallelLLM:
         self._counts = [[0, 0] for _ in range(n)]  # per replica: [waiting, running]
         self._closing = False
         self._dead: set[int] = set()
-        ctx = torch.multiprocessing.get_context("spawn")
-        self._conns, self.processes = [], []
-        for i in range(n):
-            ours, theirs = ctx.Pipe()
-            # not daemonic: a replica starts processes of its own (tensor-parallel ranks)
-            proc = ctx.Process(target=run_replica, name=f"pagedserve-replica-{i}",
-                               args=(i, args, theirs, replica_cpus(i, n)))
-            proc.start()
-            theirs.close()
-            self._conns.append(ours)
-            self.processes.append(proc)
-        self.num_threads = len(replica_cpus(0, n))
+        self.processes: list = []  # mp: the replicas' processes
+        self.actors: list = []  # ray: the replicas' actors
+        self._conns: list = []
+        self._runs: list = []
         try:
+            if args.distributed_executor_backend == "ray":
+                self._conns = self._start_ray_replicas(args)
+            else:
+                self._conns = self._start_processes(args)
             summaries = [self._wait_ready(i) for i in range(n)]
         except BaseException:
             self.shutdown()
@@ -206,12 +229,96 @@ class DataParallelLLM:
         for t in self._readers:
             t.start()
 
+    def _start_processes(self, args: EngineArgs) -> list:
+        n = args.data_parallel_size
+        ctx = torch.multiprocessing.get_context("spawn")
+        conns = []
+        for i in range(n):
+            ours, theirs = ctx.Pipe()
+            cpus = replica_cpus(i, n)
+            # not daemonic: a replica starts processes of its own (tensor-parallel ranks)
+            proc = ctx.Process(target=run_replica, name=f"pagedserve-replica-{i}",
+                               args=(i, args, theirs, cpus, len(cpus)))
+            proc.start()
+            theirs.close()
+            conns.append(ours)
+            self.processes.append(proc)
+        self.num_threads = len(replica_cpus(0, n))
+        return conns
+
+    def _start_ray_replicas(self, args: EngineArgs) -> list:
+        """One actor (1 CPU) per replica, placed by Ray; each connects back over TCP and
+        uses its node's cores divided by the replicas there."""
+        import collections
+        import secrets
+
+        import ray
+
+        from pagedserve.distributed.ray_executor import _runtime_env
+
+        n = args.data_parallel_size
+        if not ray.is_initialized():
+            ray.init(runtime_env=_runtime_env())
+        authkey = secrets.token_bytes(16)
+        listener = multiprocessing.connection.Listener(
+            (ray.util.get_node_ip_address(), 0), authkey=authkey)
+        actor_cls = ray.remote(num_cpus=1, max_concurrency=2)(ReplicaActor)
+        self.actors = [actor_cls.options(runtime_env=_runtime_env()).remote() for _ in range(n)]
+        self.replica_nodes = ray.get([a.node_id.remote() for a in self.actors])
+        per_node = collections.Counter(self.replica_nodes)
+        self._runs = [a.run.remote(i, args, listener.address, authkey,
+                                   per_node[self.replica_nodes[i]])
+                      for i, a in enumerate(self.actors)]
+        self.num_threads = 1
+        return self._accept(listener, n)
+
+    def _accept(self, listener, n: int) -> list:
+        """The replicas' connections, by index; raises ``RuntimeError`` if an actor ends
+        before it connected (``accept`` itself cannot time out: it runs on a thread)."""
+        import queue
+
+        import ray
+
+        accepted: queue.Queue = queue.Queue()
+
+        def accept_all() -> None:
+            try:
+                for _ in range(n):
+                    conn = listener.accept()
+                    accepted.put((conn.recv()[1], conn))
+            except OSError:  # the listener was closed: starting failed
+                pass
+
+        threading.Thread(target=accept_all, daemon=True, name="pagedserve-dp-accept").start()
+        conns: list = [None] * n
+        with listener:
+            for _ in range(n):
+                while True:
+                    try:
+                        index, conn = accepted.get(timeout=0.2)
+                        break
+                    except queue.Empty:
+                        done, _ = ray.wait(self._runs, timeout=0)
+                        if done:
+                            i = self._runs.index(done[0])
+                            ray.get(done[0])  # raises the actor's error
+                            raise RuntimeError(f"data-parallel replica {i} ended while starting")
+                conns[index] = conn
+        return conns
+
+    def _exit_of(self, i: int) -> str:
+        """How replica ``i`` ended, for messages."""
+        if self.processes:
+            self.processes[i].join(timeout=1.0)
+            return f"exited with code {self.processes[i].exitcode}"
+        return "(a Ray actor) ended"
+
     def _wait_ready(self, i: int) -> ReplicaSummary:
         try:
             kind, value = self._conns[i].recv()
         except EOFError:
-            raise RuntimeError(f"data-parallel replica {i} exited with code "
-                               f"{self.processes[i].exitcode} while starting") from None
+            raise RuntimeError(f"data-parallel replica {i} {self._exit_of(i)} while starting"
+                               ) from None
         if kind == "failed":
             raise value
         return value
@@ -286,6 +393,12 @@ class DataParallelLLM:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        if self.actors:
+            import ray
+
+            ray.wait(self._runs, num_returns=len(self._runs), timeout=timeout)
+            for actor in self.actors:
+                ray.kill(actor)
 
     # -- the reader threads ------------------------------------------------------------
 
@@ -332,9 +445,7 @@ class DataParallelLLM:
                 return
             self._dead.add(i)
             mine = [rid for rid, r in self._requests.items() if r.replica == i]
-        self.processes[i].join(timeout=1.0)
-        error = EngineStepError(f"data-parallel replica {i} exited with code "
-                                f"{self.processes[i].exitcode}")
+        error = EngineStepError(f"data-parallel replica {i} {self._exit_of(i)}")
         logger.error("%s; failing its %d requests", error, len(mine))
         for rid in mine:
             self._deliver(i, "error", rid, error)
