@@ -7,6 +7,8 @@
     group.py      the process groups of one engine's ranks: collectives and commands
     sharding.py   Megatron-style sharding of the existing models (config, weights, layers)
     worker.py     a non-driver rank: builds its shard, then runs the driver's commands
-    executor.py   starts and watches the ranks (mp processes or Ray actors); driver model
-    data_parallel.py  data-parallel replicas behind one server, and the request router
+    executor.py   starts and watches the ranks (uni, mp processes); the driver's model
+    ray_executor.py   the ranks as Ray actors (placement group, one bundle per rank)
+    data_parallel.py  data-parallel replicas (processes or Ray actors) behind one server,
+                      and the request router
 """

@@ -254,16 +254,17 @@ class DataParallelLLM:
 
         import ray
 
-        from pagedserve.distributed.ray_executor import _runtime_env
+        from pagedserve.distributed.ray_executor import actor_runtime_env
 
         n = args.data_parallel_size
         if not ray.is_initialized():
-            ray.init(runtime_env=_runtime_env())
+            ray.init(runtime_env=actor_runtime_env())
         authkey = secrets.token_bytes(16)
         listener = multiprocessing.connection.Listener(
             (ray.util.get_node_ip_address(), 0), authkey=authkey)
         actor_cls = ray.remote(num_cpus=1, max_concurrency=2)(ReplicaActor)
-        self.actors = [actor_cls.options(runtime_env=_runtime_env()).remote() for _ in range(n)]
+        self.actors = [actor_cls.options(runtime_env=actor_runtime_env()).remote()
+                       for _ in range(n)]
         self.replica_nodes = ray.get([a.node_id.remote() for a in self.actors])
         per_node = collections.Counter(self.replica_nodes)
         self._runs = [a.run.remote(i, args, listener.address, authkey,

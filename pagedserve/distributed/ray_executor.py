@@ -39,7 +39,7 @@ class RankActor:
         run_worker(rank, world_size, host, port, args, ranks_here)
 
 
-def _runtime_env() -> dict:
+def actor_runtime_env() -> dict:
     """Actors import pagedserve from where the driver did (a checkout, or site-packages)."""
     root = str(pathlib.Path(pagedserve.__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
@@ -56,7 +56,7 @@ class RayExecutor(DistributedExecutor):
         import ray
 
         if not ray.is_initialized():
-            ray.init(runtime_env=_runtime_env())
+            ray.init(runtime_env=actor_runtime_env())
         return ray.util.get_node_ip_address()
 
     def _start_ranks(self, host: str, port: int) -> int:
@@ -83,7 +83,7 @@ class RayExecutor(DistributedExecutor):
         # two threads: `run` blocks one for the rank's lifetime; the other answers queries
         actor_cls = ray.remote(num_cpus=1, max_concurrency=2)(RankActor)
         self.actors = [
-            actor_cls.options(runtime_env=_runtime_env(), name=None,
+            actor_cls.options(runtime_env=actor_runtime_env(), name=None,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
                                   self.pg, placement_group_bundle_index=b)).remote()
             for b in others

@@ -70,6 +70,7 @@ class Worker:
     """One rank's model shard, KV cache and command loop (see the module docstring)."""
 
     def __init__(self, args: EngineArgs, group: RankGroup, device: str) -> None:
+        # imported here: llm_engine imports the executors, which import this module
         from pagedserve.engine.llm_engine import KV_MEMORY_HINT, load_model
 
         self.group, self.device = group, device
