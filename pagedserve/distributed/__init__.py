@@ -11,4 +11,5 @@
     ray_executor.py   the ranks as Ray actors (placement group, one bundle per rank)
     data_parallel.py  data-parallel replicas (processes or Ray actors) behind one server,
                       and the request router
+    replica.py    one replica: an AsyncLLM serving the server's messages
 """
