@@ -2,7 +2,7 @@
 
 Names, help texts, buckets and labels follow vLLM v1 (``vllm/v1/metrics/loggers.py``,
 ``PrometheusStatLogger``); every series carries the labels ``model_name`` (the served model
-name) and ``engine`` (always ``"0"``: one engine per server), except the info gauge
+name) and ``engine`` (``"0"``, or the replica's index with ``--data-parallel-size``), except the info gauge
 ``vllm:cache_config_info`` (``engine`` and the cache configuration, as vLLM). Counters are
 exposed with prometheus-client's ``_total`` suffix (``vllm:prompt_tokens_total``), as vLLM's
 are.
@@ -19,7 +19,7 @@ number of sequences that produced a token in one engine step (the decode batch s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import prometheus_client
@@ -122,10 +122,13 @@ class PrometheusStatLogger:
         registry: where to register; a fresh ``CollectorRegistry`` (with the process,
             platform and GC collectors that prometheus-client's default registry has) when
             None, so several servers can live in one process (tests).
+        engine_indexes: the engines (data-parallel replicas) whose series are exported, each
+            labelled ``engine="<index>"`` as vLLM's; there is no unlabelled sum.
     """
 
     def __init__(self, model_name: str, max_model_len: int,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None,
+                 engine_indexes: Sequence[int] = (0,)) -> None:
         if registry is None:
             registry = CollectorRegistry(auto_describe=True)
             for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
@@ -134,18 +137,57 @@ class PrometheusStatLogger:
                 except ValueError:  # pragma: no cover - already there
                     pass
         self.registry = registry
-        labels = ["model_name", "engine"]
-        values = (model_name, "0")
+        self.engine_indexes = list(engine_indexes)
+        families: dict[str, object] = {}
+
+        def family(cls, name: str, doc: str, extra_labels: tuple[str, ...] = (), **kwargs):
+            """One metric family per name, shared by the engines' labelled series."""
+            if name not in families:
+                families[name] = cls(name, doc, ["model_name", "engine", *extra_labels],
+                                     registry=registry, **kwargs)
+            return families[name]
+
+        self._engines = {i: _EngineMetrics(family, model_name, str(i), max_model_len)
+                         for i in self.engine_indexes}
+
+    def log_cache_config_info(self, info: Mapping[str, str]) -> None:
+        """Export ``vllm:cache_config_info``: a gauge of value 1 whose labels are the KV
+        cache configuration (``LLMEngine.cache_config_info()``: block_size, num_gpu_blocks,
+        cache_dtype, enable_prefix_caching, gpu_memory_utilization, ...) plus ``engine``,
+        as vLLM's ``PrometheusStatLogger.log_metrics_info``; call it once."""
+        info_gauge = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                           [*info, "engine"], registry=self.registry)
+        for i in self.engine_indexes:
+            info_gauge.labels(**info, engine=str(i)).set(1)
+
+    def record(self, scheduler_stats: SchedulerStats | None,
+               iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
+        """Update engine ``engine_idx``'s series; safe to call from the engine thread (or a
+        replica's reader thread) while scraped."""
+        self._engines[engine_idx].record(scheduler_stats, iteration_stats)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text exposition format (``CONTENT_TYPE``)."""
+        return prometheus_client.generate_latest(self.registry)
+
+    CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+
+
+class _EngineMetrics:
+    """The series of one engine (``engine="<index>"``) and its last cumulative stats."""
+
+    def __init__(self, family: Callable, model_name: str, engine: str,
+                 max_model_len: int) -> None:
+        values = (model_name, engine)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=registry).labels(*values)
+            return family(Gauge, name, doc).labels(*values)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=registry).labels(*values)
+            return family(Counter, name, doc).labels(*values)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets,
-                             registry=registry).labels(*values)
+            return family(Histogram, name, doc, buckets=buckets).labels(*values)
 
         self.num_requests_running = gauge("vllm:num_requests_running",
                                           "Number of requests in model execution batches.")
@@ -163,8 +205,8 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          labels + ["finished_reason"], registry=registry)
+        success = family(Counter, "vllm:request_success",
+                         "Count of successfully processed requests.", ("finished_reason",))
         self.request_success = {r: success.labels(*values, r) for r in FINISH_REASONS}
 
         token_buckets = build_1_2_5_buckets(max_model_len)
@@ -208,18 +250,8 @@ class PrometheusStatLogger:
             _BATCH_BUCKETS)
         self._last = SchedulerStats()
 
-    def log_cache_config_info(self, info: Mapping[str, str]) -> None:
-        """Export ``vllm:cache_config_info``: a gauge of value 1 whose labels are the KV
-        cache configuration (``LLMEngine.cache_config_info()``: block_size, num_gpu_blocks,
-        cache_dtype, enable_prefix_caching, gpu_memory_utilization, ...) plus ``engine``,
-        as vLLM's ``PrometheusStatLogger.log_metrics_info``; call it once."""
-        labels = {**info, "engine": "0"}
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-              list(labels), registry=self.registry).labels(**labels).set(1)
-
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None) -> None:
-        """Update the collectors; safe to call from the engine thread while scraped."""
         if scheduler_stats is not None:
             s, last = scheduler_stats, self._last
             self.num_requests_running.set(s.num_running_reqs)
@@ -254,9 +286,3 @@ class PrometheusStatLogger:
             self.request_params_n.observe(f.n_param)
             if f.max_tokens_param:
                 self.request_params_max_tokens.observe(f.max_tokens_param)
-
-    def render(self) -> bytes:
-        """The registry in Prometheus text exposition format (``CONTENT_TYPE``)."""
-        return prometheus_client.generate_latest(self.registry)
-
-    CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST

@@ -59,6 +59,12 @@ class FakeEngine:
         if self.live.pop(rid, None) is not None:
             self.aborted.append(rid)
 
+    def is_healthy(self):
+        return True
+
+    def shutdown(self):
+        pass
+
     def has_unfinished_requests(self):
         return bool(self.live)
 

@@ -31,6 +31,10 @@ class EngineArgs:
     quantization: str | None = None
     scheduling: str = "continuous"
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    distributed_timeout: float = 300.0
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -88,6 +92,24 @@ class EngineArgs:
         parser.add_argument("--enforce-eager", action="store_true",
                             help="always run the model eagerly: no CUDA graphs of decode steps "
                                  "(captured on CUDA with the triton attention backend)")
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int,
+                            default=d.tensor_parallel_size,
+                            help="ranks the model is split over (Megatron-style: attention "
+                                 "heads and MLP rows; must divide the attention heads)")
+        parser.add_argument("--data-parallel-size", "-dp", type=int,
+                            default=d.data_parallel_size,
+                            help="engine replicas behind one server (serve only); each "
+                                 "request goes to the replica with the fewest waiting, then "
+                                 "running requests")
+        parser.add_argument("--distributed-executor-backend", default=None,
+                            choices=["uni", "mp", "ray"],
+                            help="where the ranks run: uni (this process; the default for "
+                                 "one rank), mp (processes on this machine; the default for "
+                                 "more), ray (Ray actors, on a Ray cluster when one is found "
+                                 "through RAY_ADDRESS or `ray start`, else a local one)")
+        parser.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
+                            help="seconds a rank may take for one collective before the "
+                                 "engine declares it hung and stops (default 300)")
         return parser
 
     @classmethod

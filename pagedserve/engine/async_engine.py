@@ -18,7 +18,9 @@ only appends to the command deque; the engine thread only schedules callbacks on
 
 Errors stay with their request: a ``ValueError`` from ``add_request`` (bad prompt or
 parameters) is raised to that caller only. If a step itself fails, the requests in flight
-get the error (their blocks are freed) and the loop keeps serving new requests.
+get the error (their blocks are freed) and the loop keeps serving new requests, unless the
+engine is dead (``EngineDeadError``: a tensor-parallel rank died or hung): then the loop
+stops, new requests are refused and ``is_running`` (the server's ``/health``) is False.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from pagedserve.distributed.executor import EngineDeadError
 from pagedserve.engine.args import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.metrics import FinishedRequestStats, IterationStats, SchedulerStats
@@ -194,7 +197,8 @@ class AsyncLLM:
                 return  # interrupted before the load began
             torch.set_num_threads(num_threads)
             try:
-                llm = cls(LLMEngine(args), stat_logger, num_threads)
+                engine = LLMEngine(args)  # may lower the threads: a rank's share of the cores
+                llm = cls(engine, stat_logger, torch.get_num_threads())
             except Exception as err:  # noqa: BLE001 - re-raised by built.result() on the caller
                 built.set_exception(err)
                 return
@@ -227,7 +231,8 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         """True while the engine thread is alive and accepting requests."""
-        return self._thread is not None and self._thread.is_alive() and not self._closing
+        return (self._thread is not None and self._thread.is_alive() and not self._closing
+                and self.engine.is_healthy())
 
     def abort_all(self, reason: str = "the server is shutting down") -> None:
         """Stop taking requests and abort every request in flight (thread-safe; callable
@@ -238,10 +243,13 @@ class AsyncLLM:
             self._cond.notify()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight and stop the engine thread (waits up to ``timeout`` s)."""
+        """Abort everything in flight, stop the engine thread (waits up to ``timeout`` s)
+        and the engine's other ranks."""
         self.abort_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.shutdown()
 
     # -- requests (any thread with a running asyncio loop) -------------------------------
 
@@ -324,6 +332,14 @@ class AsyncLLM:
                 # Gauges also refresh once the step is scheduled: a request in a long
                 # prefill step reads as running while it computes, not after.
                 outputs = self.engine.step(on_scheduled=self._record_scheduled)
+            except EngineDeadError as err:  # a rank died or hung: no step can run again
+                logger.error("engine is dead, failing %d requests: %s", len(self._requests), err)
+                self._drop_all(EngineStepError(f"engine is dead: {err}"))
+                self._record(None)
+                with self._cond:
+                    self._closing = True
+                    self._shutdown_error = EngineStepError(f"engine is dead: {err}")
+                continue
             except Exception as err:  # a bug or device failure: fail what is in flight
                 logger.exception("engine step failed; aborting %d requests", len(self._requests))
                 self._drop_all(EngineStepError(f"engine step failed: {err!r}"))

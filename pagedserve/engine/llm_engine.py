@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
 
@@ -14,6 +15,10 @@ from pagedserve.attention import get_attention_backend
 from pagedserve.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.distributed.config import ParallelConfig
+from pagedserve.distributed.executor import create_executor
+from pagedserve.distributed.group import RankGroup
+from pagedserve.distributed.sharding import make_tensor_parallel, shard_config, shard_weights
 from pagedserve.engine.args import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
 from pagedserve.engine.timeline import StepTimeline
@@ -32,21 +37,59 @@ from pagedserve.worker.kv_cache import (
     MemoryProfile,
     allocate_kv_caches,
     bytes_per_block,
-    cpu_default_kv_budget,
     cpu_kv_budget,
     cuda_kv_budget,
+    fixed_kv_budget,
     measure_cpu_peak,
     measure_cuda_peak,
     num_kv_blocks,
     total_memory_bytes,
 )
-from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+KV_MEMORY_HINT = ("give the KV cache more memory (--gpu-memory-utilization or "
+                  "--kv-cache-memory-bytes) or lower --max-num-batched-tokens")
 
 # A prompt: text, token ids, or vLLM's {"prompt_token_ids": [...]} (optionally with its text
 # under "prompt") / {"prompt": "..."}.
 PromptType = str | list[int] | dict
+
+
+def load_model(args: EngineArgs, hf_config, model_path, device: str, dtype: torch.dtype,
+               backend, max_model_len: int, group: RankGroup | None = None) -> torch.nn.Module:
+    """Build the model and load its weights (``args.load_format``, ``args.quantization``).
+
+    With ``group`` (tensor parallel), this rank's shard: built from ``shard_config``, read
+    through ``shard_weights``, wrapped by ``make_tensor_parallel``; GGUF weights are then
+    dequantized only (the GGUF block kernels read whole rows).
+    Raises ``ValueError`` for a bad ``load_format``.
+    """
+    tp = 1 if group is None else group.world_size
+    cls = get_model_class(hf_config)
+    gguf_kernels = tp == 1 and use_gguf_kernels(args.quantization, model_path, device)
+    with torch.device(device):
+        model = cls(shard_config(hf_config, tp), backend, max_model_len).to(dtype)
+        if group is not None:
+            model = make_tensor_parallel(model, group, hf_config.vocab_size)
+    if args.load_format == "dummy":  # vLLM's name: random weights, for benchmarks
+        for param in model.parameters():
+            param.data.uniform_(-1e-3, 1e-3)
+    elif args.load_format == "auto":
+        weights = iter_weights(model_path, dtype)
+        if group is not None:
+            weights = shard_weights(weights, hf_config, group.rank, tp)
+        model.load_weights(weights)
+        if gguf_kernels:
+            count = attach_gguf_weights(model, iter_gguf_blocks(model_path, KERNEL_TYPES))
+            logger.info("%d weights also kept as GGUF blocks for steps of <= %d tokens",
+                        count, MAX_ROWS)
+    else:
+        raise ValueError(f"load_format must be auto or dummy; got {args.load_format!r}")
+    if args.quantization == "int8":
+        inner = model if group is None else model.model
+        logger.info("%d weights quantized to int8 (W8A8)", quantize_model(inner))
+    return model.eval()
 
 
 class LLMEngine:
@@ -89,18 +132,30 @@ class LLMEngine:
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
         )
+        self.parallel_config = ParallelConfig.from_engine_args(args)
+        self._check_parallel()
+        tp = self.parallel_config.tensor_parallel_size
+        self.kv_config = shard_config(self.hf_config, tp)  # one rank's KV heads
         self.attention_backend = get_attention_backend(args.attention_backend, self.device)
-        self.model = self._load_model()
-        self.model_runner = ModelRunner(self.model, args.block_size, self.device,
-                                        self.hf_config.vocab_size, self.eos_token_id)
-        self.memory_profile = self._profile_memory()
-        self.num_blocks = num_kv_blocks(
-            self.cache_config, self.memory_profile.bytes_per_block, self.memory_profile.kv_budget,
-            self.max_model_len, "give the KV cache more memory (--gpu-memory-utilization or "
-            "--kv-cache-memory-bytes) or lower --max-num-batched-tokens",
-        )
+        # Ranks 1.. start first and load their shards while this process loads rank 0's.
+        self.executor = create_executor(self.parallel_config, args)
+        try:
+            self.model = self.executor.driver_model(load_model(
+                args, self.hf_config, self.model_path, self.device, self.dtype,
+                self.attention_backend, self.max_model_len, self.executor.group))
+            self.model_runner = self.executor.model_runner_class(
+                self.model, args.block_size, self.device, self.hf_config.vocab_size,
+                self.eos_token_id)
+            self.memory_profile = self._profile_memory()
+            self.num_blocks = self.executor.agree_num_blocks(num_kv_blocks(
+                self.cache_config, self.memory_profile.bytes_per_block,
+                self.memory_profile.kv_budget, self.max_model_len, KV_MEMORY_HINT))
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
         self.model_runner.kv_caches = allocate_kv_caches(
-            self.hf_config, self.num_blocks, args.block_size, self.dtype, self.device)
+            self.kv_config, self.num_blocks, args.block_size, self.dtype, self.device)
         self.model_runner.decode_graphs = self._capture_decode_graphs()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, args.block_size,
                                                args.enable_prefix_caching)
@@ -123,15 +178,13 @@ class LLMEngine:
         by a profiling forward pass) are subtracted from what the engine may use; the CPU
         default is a fixed size that needs no profiling (see ``worker/kv_cache.py``)."""
         cache, sched = self.cache_config, self.scheduler_config
-        per_block = bytes_per_block(self.hf_config, cache.block_size, self.dtype)
+        per_block = bytes_per_block(self.kv_config, cache.block_size, self.dtype)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if cache.num_gpu_blocks_override is not None or cache.kv_cache_memory_bytes is not None:
-            budget = cache.kv_cache_memory_bytes or cache.num_gpu_blocks_override * per_block
-            source = "override" if cache.num_gpu_blocks_override else "kv_cache_memory_bytes"
-            return MemoryProfile(0, weights, 0, budget, per_block, source)
-        if self.device == "cpu" and cache.gpu_memory_utilization is None:
-            return MemoryProfile(total_memory_bytes(), weights, 0, cpu_default_kv_budget(),
-                                 per_block, "cpu_default")
+        fixed = fixed_kv_budget(cache, per_block, self.device,
+                                self.parallel_config.tensor_parallel_size)
+        if fixed is not None:
+            total = total_memory_bytes() if fixed[1] == "cpu_default" else 0
+            return MemoryProfile(total, weights, 0, fixed[0], per_block, fixed[1])
         tokens = sched.max_num_batched_tokens
         num_blocks = -(-tokens // cache.block_size) + -(-tokens // self.max_model_len)
         scratch = allocate_kv_caches(self.hf_config, num_blocks, cache.block_size, self.dtype,
@@ -150,11 +203,29 @@ class LLMEngine:
             source = "gpu_memory_utilization"
         return MemoryProfile(total, weights, peak, budget, per_block, source)
 
+    def _check_parallel(self) -> None:
+        """Refuse what the tensor-parallel path does not do (``ValueError``, naming the flag)."""
+        parallel = self.parallel_config
+        if parallel.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs replicas of this engine behind "
+                             "`pagedserve serve`; one LLMEngine is one replica")
+        if parallel.tensor_parallel_size == 1:
+            return
+        if self.cache_config.gpu_memory_utilization is not None or self.device != "cpu":
+            needs_profile = (self.cache_config.num_gpu_blocks_override is None
+                             and self.cache_config.kv_cache_memory_bytes is None)
+            if needs_profile:
+                raise ValueError("tensor_parallel_size > 1 sizes the KV cache without a "
+                                 "profiling pass: give --kv-cache-memory-bytes (per rank) or "
+                                 "--num-gpu-blocks-override instead of "
+                                 "--gpu-memory-utilization")
+
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs of pure-decode steps for ``capture_sizes(max_num_seqs)``, captured
         over the allocated KV cache; None with ``enforce_eager``, on CPU, or with an
         attention backend other than triton (the others size their work per step)."""
-        if self.args.enforce_eager or not self.device.startswith("cuda"):
+        if (self.args.enforce_eager or not self.device.startswith("cuda")
+                or self.parallel_config.tensor_parallel_size > 1):
             return None
         if self.attention_backend.name != "triton":
             logger.info("no CUDA graphs with the %s attention backend: decode runs eagerly",
@@ -186,26 +257,6 @@ class LLMEngine:
             eos = json.load(f).get("eos_token_id")
         ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         return [t for t in ids if t != self.eos_token_id]
-
-    def _load_model(self) -> torch.nn.Module:
-        cls = get_model_class(self.hf_config)
-        gguf_kernels = use_gguf_kernels(self.args.quantization, self.model_path, self.device)
-        with torch.device(self.device):
-            model = cls(self.hf_config, self.attention_backend, self.max_model_len).to(self.dtype)
-        if self.args.load_format == "dummy":  # vLLM's name: random weights, for benchmarks
-            for param in model.parameters():
-                param.data.uniform_(-1e-3, 1e-3)
-        elif self.args.load_format == "auto":
-            model.load_weights(iter_weights(self.model_path, self.dtype))
-            if gguf_kernels:
-                count = attach_gguf_weights(model, iter_gguf_blocks(self.model_path, KERNEL_TYPES))
-                logger.info("%d weights also kept as GGUF blocks for steps of <= %d tokens",
-                            count, MAX_ROWS)
-        else:
-            raise ValueError(f"load_format must be auto or dummy; got {self.args.load_format!r}")
-        if self.args.quantization == "int8":
-            logger.info("%d weights quantized to int8 (W8A8)", quantize_model(model))
-        return model.eval()
 
     # -- requests -----------------------------------------------------------------------
 
@@ -335,6 +386,7 @@ class LLMEngine:
         step as running while it computes; it is not called for an empty step. Every
         non-empty step is recorded in ``self.timeline`` (the dashboard's step chart).
         """
+        self.executor.check_alive()
         start = time.monotonic()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -356,6 +408,14 @@ class LLMEngine:
                                        RequestStatus.FINISHED_STOPPED)
         self.timeline.end(started, self.scheduler)
         return [self.output_processor.make_output(parent) for parent in touched]
+
+    def is_healthy(self) -> bool:
+        """False once a rank has died or hung (``EngineDeadError``); thread-safe."""
+        return self.executor.is_alive()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (idempotent). The engine takes no steps afterwards."""
+        self._finalizer()
 
     def cache_config_info(self) -> dict[str, str]:
         """The KV cache configuration as strings, for vLLM's ``vllm:cache_config_info``

@@ -115,6 +115,22 @@ def cpu_default_kv_budget() -> int:
     return min(DEFAULT_CPU_KV_BYTES, available_memory_bytes() // 2)
 
 
+def fixed_kv_budget(cache: CacheConfig, per_block: int, device: str, num_ranks: int = 1
+                    ) -> tuple[int, str] | None:
+    """``(kv_budget in bytes, source)`` where no profiling forward pass is needed: the block
+    override, ``kv_cache_memory_bytes`` (per rank, as vLLM's), or on CPU without
+    ``gpu_memory_utilization`` the default shared by the engine's ``num_ranks`` ranks
+    (each rank's blocks are ``1 / num_ranks`` of the model's KV heads, so the pool keeps its
+    size in tokens). None when the budget must be profiled."""
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override * per_block, "override"
+    if cache.kv_cache_memory_bytes is not None:
+        return cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    if device == "cpu" and cache.gpu_memory_utilization is None:
+        return cpu_default_kv_budget() // num_ranks, "cpu_default"
+    return None
+
+
 def num_kv_blocks(cache: CacheConfig, per_block: int, budget: int, max_model_len: int,
                   what_to_lower: str) -> int:
     """``budget // per_block`` blocks, or the override.

@@ -62,7 +62,7 @@ class ModelRunner:
         query_lens = [sched.num_scheduled_tokens[i] for i in order]
         tables = [sched.block_tables[i] for i in order]
         input_ids, positions, meta = self._prepare_inputs(requests, query_lens, tables)
-        self._copy_blocks(sched.blocks_to_copy)
+        self.copy_blocks(sched.blocks_to_copy)
 
         hidden = self._forward(input_ids, positions, meta)
 
@@ -91,7 +91,7 @@ class ModelRunner:
             return graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``src`` -> block ``dst`` in every layer's K and V."""
         if not pairs:
             return

@@ -423,10 +423,16 @@ def run_server(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     engine_args = EngineArgs.from_cli_args(args)
-    engine = AsyncLLM.from_engine_args(engine_args)
-    core = engine.engine
+    dp = engine_args.data_parallel_size
+    if dp > 1:
+        from pagedserve.distributed.data_parallel import DataParallelLLM
+
+        engine = DataParallelLLM(engine_args)
+    else:
+        engine = AsyncLLM.from_engine_args(engine_args)
+    core = engine.engine  # with data parallelism: replica 0's summary
     name, aliases = served_names(args, core.model_path)
-    stat_logger = PrometheusStatLogger(name, core.max_model_len)
+    stat_logger = PrometheusStatLogger(name, core.max_model_len, engine_indexes=range(dp))
     stat_logger.log_cache_config_info(core.cache_config_info())
     latency = None if args.disable_dashboard else LatencyWindow()
     engine.stat_logger = stat_logger if latency is None else StatLoggers(stat_logger, latency)
@@ -439,8 +445,10 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     logger.info("pagedserve %s: model %s (%s)", pagedserve.__version__, name, core.model_path)
     logger.info("device %s, dtype %s, torch threads %d", core.device,
                 str(core.dtype).removeprefix("torch."), engine.num_threads)
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d, "
-                "max_num_seqs %d, max_num_batched_tokens %d", core.num_blocks, block_size,
+    logger.info("KV cache%s: %d blocks x %d tokens = %d tokens; max_model_len %d, "
+                "max_num_seqs %d, max_num_batched_tokens %d",
+                f" (each of {dp} data-parallel replicas)" if dp > 1 else "",
+                core.num_blocks, block_size,
                 core.num_blocks * block_size, core.max_model_len,
                 core.scheduler_config.max_num_seqs, core.scheduler_config.max_num_batched_tokens)
     url = _url(args.host, args.port)

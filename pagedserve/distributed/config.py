@@ -1,0 +1,54 @@
+"""``ParallelConfig``: how an engine is spread over ranks and replicas (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Attributes:
+        tensor_parallel_size: ranks one model is split over (>= 1).
+        data_parallel_size: engine replicas behind one server (>= 1).
+        distributed_executor_backend: ``uni`` (one rank, in this process), ``mp`` (processes
+            on this machine) or ``ray`` (Ray actors); None picks ``uni`` for one rank and
+            ``mp`` for more, as vLLM does.
+        distributed_timeout: seconds one collective may wait for a rank before the engine
+            declares the rank hung (> 0).
+
+    Raises ``ValueError`` naming the field for a bad value.
+    """
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    distributed_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1; got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1; got {self.data_parallel_size}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(BACKENDS)}"
+                             f"; got {backend!r}")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one rank; "
+                             f"tensor_parallel_size is {self.tensor_parallel_size} (use mp or ray)")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds; got {self.distributed_timeout}")
+
+    @property
+    def backend(self) -> str:
+        """The executor backend, with the default resolved."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
+
+    @classmethod
+    def from_engine_args(cls, args) -> ParallelConfig:
+        return cls(args.tensor_parallel_size, args.data_parallel_size,
+                   args.distributed_executor_backend, args.distributed_timeout)
