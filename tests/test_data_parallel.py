@@ -13,6 +13,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.distributed.data_parallel import DataParallelLLM, replica_cpus
 from pagedserve.engine.args import EngineArgs
+from pagedserve.engine.snapshot import merge_snapshots, take_snapshot
 from pagedserve.metrics import PrometheusStatLogger
 from tests.conftest import wait_until
 
@@ -78,6 +79,14 @@ def test_dp2_spreads_requests_and_matches_dp1(tiny_llama):
                                                   "vllm:generation_tokens_total"))
                             and sum(t.values()) == 32 * 6 and t, 30, "generation tokens")
         assert set(tokens) == {"0", "1"}
+        # The dashboard's view: each replica snapshots its own pool between its steps.
+        snaps = asyncio.run(dp.run_between_steps_all(take_snapshot))
+        assert len(snaps) == 2 and all(s["kv_cache_stats"]["total_blocks"] == 64 for s in snaps)
+        merged = merge_snapshots(snaps)
+        assert [(p["replica"], p["num_blocks"]) for p in merged["pools"]] == [(0, 64), (1, 64)]
+        assert merged["kv_cache_stats"]["total_blocks"] == 128
+        assert merged["kv_cache_stats"]["used_blocks"] == 0 and merged["running"] == []
+        assert merged["step"] == snaps[0]["step"] + snaps[1]["step"] > 0
         with pytest.raises(ValueError, match="max_tokens"):  # a replica's ValueError
             asyncio.run(dp.add_request("bad", {"prompt_token_ids": [1]},
                                        SamplingParams(max_tokens=100)))

@@ -19,12 +19,14 @@ replica's stats arrive with its index and are exported labelled ``engine="<index
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing.connection
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -33,6 +35,11 @@ from pagedserve.engine.args import EngineArgs
 from pagedserve.engine.async_engine import EngineClosedError, EngineStepError, RequestStream
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,8 @@ class DataParallelLLM:
         self.stat_logger = stat_logger
         self._lock = threading.Lock()
         self._requests: dict[str, _Routed] = {}
+        self._calls: dict[int, tuple] = {}  # run_between_steps_all: id -> (loop, future, i)
+        self._call_ids = itertools.count()
         self._counts = [[0, 0] for _ in range(n)]  # per replica: [waiting, running]
         self._closing = False
         self._dead: set[int] = set()
@@ -230,6 +239,26 @@ class DataParallelLLM:
         async for out in stream:
             yield out
 
+    async def run_between_steps_all(self, fn: Callable[[LLMEngine], T]) -> list[T]:
+        """``fn(engine)`` on every live replica's engine thread between two of its steps
+        (``AsyncLLM.run_between_steps``); their results in replica order. ``fn`` and its
+        result cross a pipe, so both must pickle. Raises what ``fn`` raised, or
+        ``EngineClosedError``."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        with self._lock:
+            if self._closing:
+                raise EngineClosedError("the server is shutting down")
+            for i, conn in enumerate(self._conns):
+                if i in self._dead:
+                    continue
+                call_id = next(self._call_ids)
+                future = loop.create_future()
+                self._calls[call_id] = (loop, future, i)
+                futures.append(future)
+                conn.send(("call", call_id, fn))
+        return list(await asyncio.gather(*futures))
+
     def abort(self, request_id: str) -> None:
         """Abort a request by id (thread-safe; unknown ids are ignored)."""
         with self._lock:
@@ -282,6 +311,12 @@ class DataParallelLLM:
             if kind == "stats":
                 if self.stat_logger is not None:
                     self.stat_logger.record(*payload, engine_idx=i)
+            elif kind in ("called", "call_failed"):
+                call_id, value = payload
+                with self._lock:
+                    loop, future, _ = self._calls.pop(call_id)
+                settle = _set_result if kind == "called" else _set_exception
+                loop.call_soon_threadsafe(settle, future, value)
             else:
                 self._deliver(i, kind, *payload)
 
@@ -313,10 +348,13 @@ class DataParallelLLM:
                 return
             self._dead.add(i)
             mine = [rid for rid, r in self._requests.items() if r.replica == i]
+            calls = [self._calls.pop(c) for c, (_, _, j) in list(self._calls.items()) if j == i]
         error = EngineStepError(f"data-parallel replica {i} {self._exit_of(i)}")
         logger.error("%s; failing its %d requests", error, len(mine))
         for rid in mine:
             self._deliver(i, "error", rid, error)
+        for loop, future, _ in calls:
+            loop.call_soon_threadsafe(_set_exception, future, error)
 
 
 def _set_result(future: asyncio.Future, value) -> None:

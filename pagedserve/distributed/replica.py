@@ -2,9 +2,10 @@
 the server's commands over a connection (a pipe, or authenticated TCP from a Ray actor).
 
 Messages, server -> replica: ``("add", id, prompt, params, arrival_time)``,
-``("abort", id)``, ``("abort_all", reason)``, ``("shutdown",)``. Replica -> server: once
-``("ready", ReplicaSummary)`` or ``("failed", error)``; then ``("added", id)``,
-``("output", id, RequestOutput)``, ``("error", id, error)`` and ``("stats",
+``("abort", id)``, ``("abort_all", reason)``, ``("call", call_id, fn)``, ``("shutdown",)``.
+Replica -> server: once ``("ready", ReplicaSummary)`` or ``("failed", error)``; then
+``("added", id)``, ``("output", id, RequestOutput)``, ``("error", id, error)``,
+``("called", call_id, result)`` / ``("call_failed", call_id, error)`` and ``("stats",
 SchedulerStats, IterationStats)``. A Ray actor first sends ``("hello", index)``.
 """
 
@@ -112,12 +113,24 @@ async def _serve_commands(llm: AsyncLLM, conn, send) -> None:
             task = asyncio.create_task(_run_request(llm, send, *payload))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+        elif command == "call":
+            task = asyncio.create_task(_run_call(llm, send, *payload))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
         elif command == "abort":
             llm.abort(payload[0])
         elif command == "abort_all":
             llm.abort_all(payload[0])
         elif command == "shutdown":
             return
+
+
+async def _run_call(llm: AsyncLLM, send, call_id: int, fn) -> None:
+    """``DataParallelLLM.run_between_steps_all``'s call on this replica."""
+    try:
+        send(("called", call_id, await llm.run_between_steps(fn)))
+    except Exception as err:  # noqa: BLE001 - the server's caller gets it
+        send(("call_failed", call_id, err))
 
 
 async def _run_request(llm: AsyncLLM, send, request_id: str, prompt, params: SamplingParams,

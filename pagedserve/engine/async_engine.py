@@ -299,6 +299,11 @@ class AsyncLLM:
         self._submit(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
+    async def run_between_steps_all(self, fn: Callable[[LLMEngine], T]) -> list[T]:
+        """``[run_between_steps(fn)]``: the interface ``DataParallelLLM`` shares, which
+        returns one result per replica."""
+        return [await self.run_between_steps(fn)]
+
     def abort(self, request_id: str) -> None:
         """Abort a request by id (thread-safe; unknown or finished ids are ignored)."""
         with self._cond:

@@ -105,6 +105,11 @@ def _b64(array: np.ndarray) -> str:
     return base64.b64encode(array.tobytes()).decode("ascii")
 
 
+def latency_percentiles(latency: LatencyWindow | None) -> dict:
+    """The snapshot's ``latency``: the window (s) and its percentiles; {} without one."""
+    return {} if latency is None else {"window": latency.seconds, **latency.percentiles()}
+
+
 def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> dict:
     """The engine's state now, JSON-ready (call between steps, on the engine thread).
 
@@ -142,8 +147,28 @@ def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> di
         "running": [_request_row(r, tables, now) for r in sched.running_requests()],
         "waiting": [_request_row(r, tables, now) for r in sched.waiting_requests()],
         "steps": steps,
-        "latency": {} if latency is None else {"window": latency.seconds,
-                                               **latency.percentiles()},
+        "latency": latency_percentiles(latency),
     }
     snapshot["snapshot_seconds"] = time.perf_counter() - start  # what it cost the engine
     return snapshot
+
+
+def merge_snapshots(snapshots: list[dict]) -> dict:
+    """One snapshot of data-parallel replicas (``take_snapshot``'s, in replica order): a
+    pool per replica (``replica`` = its index), the request rows of all (each tagged with
+    ``replica``), ``kv_cache_stats`` and ``step`` summed, the step timeline of replica 0,
+    the largest ``snapshot_seconds``. One snapshot comes back as it is."""
+    if len(snapshots) == 1:
+        return snapshots[0]
+    merged = dict(snapshots[0])
+    merged["pools"] = [{**pool, "replica": i} for i, s in enumerate(snapshots)
+                       for pool in s["pools"]]
+    for key in ("running", "waiting"):
+        merged[key] = [{**row, "replica": i} for i, s in enumerate(snapshots) for row in s[key]]
+    merged["kv_cache_stats"] = {
+        name: (value if name == "block_size"
+               else sum(s["kv_cache_stats"][name] for s in snapshots))
+        for name, value in snapshots[0]["kv_cache_stats"].items()}
+    merged["step"] = sum(s["step"] for s in snapshots)
+    merged["snapshot_seconds"] = max(s["snapshot_seconds"] for s in snapshots)
+    return merged

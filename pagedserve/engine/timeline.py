@@ -110,7 +110,9 @@ class LatencyWindow:
         self._values: dict[str, deque[tuple[float, float]]] = {n: deque() for n in self.NAMES}
 
     def record(self, scheduler_stats: SchedulerStats | None,
-               iteration_stats: IterationStats | None) -> None:
+               iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
+        """Add a step's latencies; ``engine_idx`` (a data-parallel replica) is ignored:
+        one window covers every replica."""
         if iteration_stats is None:
             return
         now = self.clock()
@@ -145,6 +147,6 @@ class StatLoggers:
         self.loggers = loggers
 
     def record(self, scheduler_stats: SchedulerStats | None,
-               iteration_stats: IterationStats | None) -> None:
+               iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
         for logger in self.loggers:
-            logger.record(scheduler_stats, iteration_stats)
+            logger.record(scheduler_stats, iteration_stats, engine_idx=engine_idx)

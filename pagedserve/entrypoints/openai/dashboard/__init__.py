@@ -21,17 +21,20 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from pagedserve.engine.async_engine import AsyncLLM, EngineClosedError
-from pagedserve.engine.snapshot import take_snapshot
+from pagedserve.engine.snapshot import latency_percentiles, merge_snapshots, take_snapshot
 from pagedserve.engine.timeline import LatencyWindow
 from pagedserve.entrypoints.openai.serving_engine import APIError
+
+if TYPE_CHECKING:
+    from pagedserve.distributed.data_parallel import DataParallelLLM
 
 logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
@@ -105,7 +108,7 @@ class SnapshotHub:
             self.listeners.discard(listener)
 
 
-def add_dashboard_routes(app: FastAPI, engine: AsyncLLM, model_name: str,
+def add_dashboard_routes(app: FastAPI, engine: AsyncLLM | DataParallelLLM, model_name: str,
                          latency: LatencyWindow | None, api_key_required: bool) -> SnapshotHub:
     """Serve the dashboard from ``app``; ``latency`` (fed as a stat logger by the engine
     thread) gives the page's TTFT / TPOT / end-to-end percentiles. With
@@ -113,7 +116,9 @@ def add_dashboard_routes(app: FastAPI, engine: AsyncLLM, model_name: str,
     endpoints (no request is sent to fail with 401). Returns the hub."""
 
     async def take() -> str:
-        snap = await engine.run_between_steps(partial(take_snapshot, latency=latency))
+        # Each replica snapshots its own engine; the latency window lives here, fed by all.
+        snap = merge_snapshots(await engine.run_between_steps_all(take_snapshot))
+        snap["latency"] = latency_percentiles(latency)
         snap["model"] = model_name
         return json.dumps(snap, separators=(",", ":"))
 

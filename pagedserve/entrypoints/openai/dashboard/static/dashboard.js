@@ -97,7 +97,9 @@ function render(snap) {
   $("model").textContent = snap.model || "";
   $("step").textContent = snap.step;
   const requests = snap.running.concat(snap.waiting);
-  snap.pools.forEach((pool, i) => renderPool(pool, i, requests));
+  // With data parallelism each replica has its own pool: block ids repeat across them.
+  snap.pools.forEach((pool, i) => renderPool(pool, i,
+    requests.filter((r) => (r.replica || 0) === pool.replica)));
   renderRequests("running", snap.running);
   renderRequests("waiting", snap.waiting);
   renderSteps(snap.steps);
