@@ -6,8 +6,12 @@ import asyncio
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 from dataclasses import replace
 
+import httpx
 import pytest
 
 from pagedserve import LLM, SamplingParams
@@ -95,3 +99,47 @@ def test_dp2_spreads_requests_and_matches_dp1(tiny_llama):
     finally:
         dp.shutdown()
     assert not dp.is_running
+
+
+def test_serve_dp2_answers_with_per_replica_metrics_and_pools(tmp_path):
+    """``pagedserve serve -dp 2`` (the bundled model) end to end, the dashboard on as by
+    default: completions, ``/metrics`` labelled per engine, ``/dashboard/state`` one pool per
+    replica."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
+             "-dp", "2", "--dtype", "float32", "--max-model-len", "256",
+             "--num-gpu-blocks-override", "64",
+             "--uvicorn-log-level", "warning"],
+            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(ready, 300, "the -dp 2 server to start", interval=0.3)
+        with httpx.Client(base_url=url, timeout=120) as http:
+            for prompt in PROMPTS[:4]:  # token ids
+                r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3,
+                                                       "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["completion_tokens"] == 3
+            done = wait_until(lambda: (d := _series(http.get("/metrics").text,
+                                                    "vllm:request_success_total"))
+                              and sum(d.values()) == 4 and d, 30, "4 successes in /metrics")
+            assert set(done) <= {"0", "1"} and "" not in done
+            snap = http.get("/dashboard/state").json()
+            assert [(p["replica"], p["num_blocks"]) for p in snap["pools"]] == [(0, 64), (1, 64)]
+            assert snap["kv_cache_stats"]["total_blocks"] == 128
+    finally:
+        proc.terminate()
+        proc.wait(60)
