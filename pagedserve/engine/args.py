@@ -31,6 +31,8 @@ class EngineArgs:
     quantization: str | None = None
     scheduling: str = "continuous"
     enforce_eager: bool = False
+    # vLLM's StructuredOutputsConfig as a dict; only "backend" ("auto" or "xgrammar").
+    structured_outputs_config: dict | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -88,8 +90,26 @@ class EngineArgs:
         parser.add_argument("--enforce-eager", action="store_true",
                             help="always run the model eagerly: no CUDA graphs of decode steps "
                                  "(captured on CUDA with the triton attention backend)")
+        parser.add_argument("--structured-outputs-config.backend", default="auto",
+                            dest="structured_outputs_backend", choices=["auto", "xgrammar"],
+                            help="engine of structured outputs (response_format, "
+                                 "structured_outputs, tools): auto and xgrammar both mean "
+                                 "xgrammar")
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        kwargs = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if hasattr(args, "structured_outputs_backend"):
+            kwargs["structured_outputs_config"] = {"backend": args.structured_outputs_backend}
+        return cls(**kwargs)
+
+    @property
+    def structured_outputs_backend(self) -> str:
+        """The structured-outputs backend; raises ``ValueError`` for unknown config keys."""
+        config = dict(self.structured_outputs_config or {})
+        unknown = sorted(set(config) - {"backend"})
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown keys {unknown}; known: "
+                             "['backend']")
+        return config.get("backend", "auto")
