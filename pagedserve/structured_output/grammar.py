@@ -22,8 +22,9 @@ _ANY_OBJECT = '{"type": "object"}'
 
 
 def spec_key(spec: StructuredOutputsParams) -> tuple[str, str, bool]:
-    """``(kind, canonical text, disable_any_whitespace)``: equal for equal constraints
-    (a schema dict and its JSON text with keys in another order give the same key).
+    """``(kind, text, disable_any_whitespace)``: equal for equal constraints (a schema
+    dict and its JSON text give the same key; key order is kept: it is the order in which
+    the grammar emits properties).
     Raises ``ValueError`` for a ``json`` string that is not JSON."""
     (kind,) = spec.kinds()
     value = getattr(spec, kind)
@@ -32,7 +33,7 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str, bool]:
             value = json.loads(value) if isinstance(value, str) else value
         except json.JSONDecodeError as err:
             raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from err
-        text = json.dumps(value, sort_keys=True)
+        text = json.dumps(value)
     elif kind == "choice":
         text = json.dumps(value)
     elif kind == "json_object":
