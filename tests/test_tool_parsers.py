@@ -105,3 +105,33 @@ def test_named_deltas_stream_the_arguments():
     args = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas[1:])
     assert (args, last, finish) == ('{"a": 1}', [], "stop")
     assert all(set(d["tool_calls"][0]) == {"index", "function"} for d in deltas[1:])
+
+
+def test_serve_flags_parse_and_are_documented():
+    from pagedserve.engine.args import EngineArgs
+    from pagedserve.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--structured-outputs-config.backend", "xgrammar",
+                              "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.structured_outputs_config == {"backend": "xgrammar"}
+    assert engine_args.structured_outputs_backend == "xgrammar"
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "hermes")
+    serve_help = parser._subparsers._group_actions[0].choices["serve"].format_help()
+    for flag in ("--structured-outputs-config.backend", "--chat-template",
+                 "--enable-auto-tool-choice", "--tool-call-parser"):
+        assert flag in serve_help
+    with pytest.raises(ValueError, match="unknown keys"):
+        _ = EngineArgs(structured_outputs_config={"backnd": "x"}).structured_outputs_backend
+
+
+def test_chat_template_flag_reads_a_file_or_takes_the_text(tmp_path):
+    from pagedserve.entrypoints.openai.api_server import load_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert load_chat_template(str(path)) == "{{ messages }}"
+    assert load_chat_template("{% for m in messages %}{% endfor %}").startswith("{%")
+    with pytest.raises(ValueError, match="--chat-template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))

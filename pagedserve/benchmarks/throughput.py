@@ -5,12 +5,16 @@ step; decoding is greedy with ``ignore_eos``, so each request generates exactly 
 expected output length. Prints requests/s, total (prompt + output) tokens/s, output
 tokens/s and the elapsed time, plus the engine steps and mean sequences per step.
 ``--scheduling static`` runs the same requests with static batching (same model code and
-kernels) for a side-by-side comparison with continuous batching.
+kernels) for a side-by-side comparison with continuous batching. ``--structured-outputs
+json`` runs the requests twice on one engine, unconstrained and then constrained to a JSON
+schema (same output lengths: ``ignore_eos``), and prints the ratio and the grammar's compile
+time, first and cached.
 
 Example::
 
     pagedserve bench throughput --dataset-name workload --dtype float32
     pagedserve bench throughput --dataset-name workload --scheduling static --max-num-seqs 16
+    pagedserve bench throughput --dataset-name workload --structured-outputs json
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from tqdm import tqdm
 
 from pagedserve.benchmarks import datasets
 from pagedserve.engine.args import EngineArgs
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs
     from pagedserve.engine.llm_engine import LLMEngine
@@ -37,17 +41,26 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument("--disable-detokenize", action="store_true",
                         help="do not build output text (token ids only)")
+    parser.add_argument("--structured-outputs", choices=["json"], default=None,
+                        help="also run every request constrained to a JSON schema, and "
+                             "compare")
     EngineArgs.add_cli_args(parser)
 
 
+# An object whose string can go on as long as the output: no request ends its grammar early.
+BENCH_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}},
+                "required": ["answer"]}
+
+
 def run(engine: LLMEngine, samples: list[datasets.SampleRequest], detokenize: bool = True,
-        use_tqdm: bool = True) -> dict:
+        use_tqdm: bool = True, structured: StructuredOutputsParams | None = None) -> dict:
     """Queue every request, step the engine until all finish; return the figures."""
     start = time.perf_counter()
     for i, s in enumerate(samples):
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=s.expected_output_len,
-                                detokenize=detokenize)
-        engine.add_request(str(i), {"prompt_token_ids": s.prompt_token_ids}, params)
+                                detokenize=detokenize, structured_outputs=structured)
+        engine.add_request(f"{'so-' if structured else ''}{i}",
+                           {"prompt_token_ids": s.prompt_token_ids}, params)
     steps = sampled = 0
     output_tokens = 0
     with tqdm(total=len(samples), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -96,6 +109,35 @@ def print_report(r: dict) -> None:
         print(f"{k:<{width}}  {v}")
 
 
+def compile_times(engine: LLMEngine, spec: StructuredOutputsParams) -> dict:
+    """Seconds to compile ``spec``'s grammar the first time (with the vocabulary's
+    preprocessing, done once per engine) and again (a cache hit)."""
+    from pagedserve.structured_output.grammar import GrammarCache
+
+    cache = GrammarCache(engine.tokenizer, engine.hf_config.vocab_size,
+                         engine.structured_output.stop_token_ids)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        cache.get(spec).result()
+        times.append(time.perf_counter() - t0)
+    cache.shutdown()
+    return {"compile_first_s": times[0], "compile_cached_s": times[1]}
+
+
+def _structured(engine: LLMEngine, samples, args: argparse.Namespace, free: dict) -> dict:
+    spec = StructuredOutputsParams(json=BENCH_SCHEMA)
+    times = compile_times(engine, spec)
+    result = run(engine, samples, not args.disable_detokenize, not args.disable_tqdm, spec)
+    print("\nconstrained to a JSON schema:")
+    print_report(result)
+    ratio = result["output_tokens_per_second"] / free["output_tokens_per_second"]
+    print(f"constrained / unconstrained output tokens/s: {ratio:.3f}; grammar compile: "
+          f"{times['compile_first_s'] * 1e3:.1f} ms first, "
+          f"{times['compile_cached_s'] * 1e3:.3f} ms cached")
+    return {**result, **times, "ratio_to_unconstrained": ratio}
+
+
 def main(args: argparse.Namespace) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
 
@@ -104,6 +146,8 @@ def main(args: argparse.Namespace) -> int:
                                    engine.max_model_len)
     result = run(engine, samples, not args.disable_detokenize, not args.disable_tqdm)
     print_report(result)
+    if args.structured_outputs:
+        result["structured_outputs"] = _structured(engine, samples, args, result)
     if result["output_tokens"] != result["expected_output_tokens"]:
         print(f"warning: {result['output_tokens']} output tokens generated, "
               f"{result['expected_output_tokens']} expected")
