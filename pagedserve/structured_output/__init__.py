@@ -16,7 +16,6 @@ A matcher's state is always the request's output tokens: it advances exactly onc
 token appended, so preemption and recompute (which replay the same tokens through the
 model but append nothing) leave it as it is.
 
-
 xgrammar (~0.5 s to import) is imported only by ``grammar.py`` and ``request_grammar.py``,
 which load with the first constrained request; an engine that never sees one never loads it.
 """
