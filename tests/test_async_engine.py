@@ -266,20 +266,29 @@ async def _last(stream):
 def test_interrupt_while_loading_returns_after_the_load(monkeypatch):
     """Ctrl-C during the load: KeyboardInterrupt reaches the caller only once the engine
     thread has finished loading and has ended (no thread left inside torch's C++ code)."""
-    release = threading.Event()
+    interrupted = threading.Event()
     loaded = []
+    main = threading.get_ident()
 
-    def build(args):
-        release.wait(10)
+    def on_sigint(signum, frame):
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    def build(args):  # on the engine thread: Ctrl-C arrives mid-load, the load then ends
+        signal.pthread_kill(main, signal.SIGINT)
+        assert interrupted.wait(30), "the main thread never took the SIGINT"
+        time.sleep(0.2)  # a caller that did not wait for the load would see it unfinished
         loaded.append(True)
         return FakeEngine()
 
     monkeypatch.setattr("pagedserve.engine.async_engine.LLMEngine", build)
-    threading.Timer(0.2, signal.pthread_kill, (threading.get_ident(), signal.SIGINT)).start()
-    threading.Timer(0.6, release.set).start()
-    with pytest.raises(KeyboardInterrupt):
-        AsyncLLM.from_engine_args(object())
-    assert len(loaded) == 1  # raised after the load (at 0.6 s), not at the signal (0.2 s)
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            AsyncLLM.from_engine_args(object())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(loaded) == 1  # raised after the load, not at the signal
     assert not [t for t in threading.enumerate() if t.name == "pagedserve-engine"]
 
 

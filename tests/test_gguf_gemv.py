@@ -88,6 +88,21 @@ def test_linear_uses_blocks_up_to_max_rows_only():
     assert linear(torch.ones(2, 3, 64), layer.weight, None, quant).shape == (2, 3, 40)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_from_blocks_in_half_precision(dtype):
+    """bfloat16 / float16 rows (a half-precision model's small steps) are multiplied by the
+    blocks in float32 and come back in their own dtype, within that dtype's rounding of the
+    exact product (the weights dequantized by gguf-py)."""
+    rng = np.random.default_rng(2)
+    blocks = random_blocks(Q.Q4_1, 48, 96, rng)
+    quant = GGUFWeight(torch.from_numpy(blocks), Q.Q4_1)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = linear(x, torch.zeros(48, 96, dtype=dtype), None, quant)
+    exact = F.linear(x.double(), torch.from_numpy(dequantize(blocks, Q.Q4_1).copy()).double())
+    assert out.dtype == dtype and out.shape == (5, 48)
+    assert rel_err(out, exact) < torch.finfo(dtype).eps
+
+
 def test_wide_weights_multiply_in_column_slices(monkeypatch):
     """Slices of 16 output columns (16 + 16 + 8) fill every column of the product, bias
     added, leading dimensions kept; with autograd on, plain F.linear keeps gradients."""
@@ -111,16 +126,15 @@ def test_wide_weights_multiply_in_column_slices(monkeypatch):
 
 
 def test_use_gguf_kernels_choices(model_path, tmp_path):
-    assert use_gguf_kernels(None, model_path, "cpu", torch.float32)
-    assert use_gguf_kernels("gguf", model_path, "cpu", torch.float32)
-    assert not use_gguf_kernels("none", model_path, "cpu", torch.float32)
-    assert not use_gguf_kernels(None, model_path, "cpu", torch.bfloat16)
-    assert not use_gguf_kernels(None, model_path, "cuda", torch.float32)
-    assert not use_gguf_kernels(None, tmp_path, "cpu", torch.float32)
+    assert use_gguf_kernels(None, model_path, "cpu")
+    assert use_gguf_kernels("gguf", model_path, "cpu")
+    assert not use_gguf_kernels("none", model_path, "cpu")
+    assert not use_gguf_kernels(None, model_path, "cuda")
+    assert not use_gguf_kernels(None, tmp_path, "cpu")
     with pytest.raises(ValueError, match="quantization"):
-        use_gguf_kernels("awq", model_path, "cpu", torch.float32)
+        use_gguf_kernels("awq", model_path, "cpu")
     with pytest.raises(ValueError, match="gguf"):
-        use_gguf_kernels("gguf", tmp_path, "cpu", torch.float32)
+        use_gguf_kernels("gguf", tmp_path, "cpu")
 
 
 def test_loader_blocks_dequantize_to_loaded_weights(model_path):

@@ -94,12 +94,12 @@ def test_quantize_model_replaces_weights(tiny_llama):
 
 
 def test_int8_choice_and_errors(model_path):
-    assert not use_gguf_kernels("int8", model_path, "cpu", torch.float32)  # alternatives
-    assert not use_gguf_kernels("int8", model_path, "cpu", torch.bfloat16)
+    assert not use_gguf_kernels("int8", model_path, "cpu")  # alternatives
+    assert not use_gguf_kernels("int8", model_path, "cpu")
     with pytest.raises(ValueError, match="int8.*CPU only"):
-        use_gguf_kernels("int8", model_path, "cuda", torch.float32)
+        use_gguf_kernels("int8", model_path, "cuda")
     with pytest.raises(ValueError, match="int8"):  # the message lists the choices
-        use_gguf_kernels("fp8", model_path, "cpu", torch.float32)
+        use_gguf_kernels("fp8", model_path, "cpu")
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(parser.parse_args(["-q", "int8"])).quantization == "int8"
 

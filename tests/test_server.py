@@ -633,6 +633,16 @@ ERROR_CASES = [
      "max_completion_tokens"),
     ("POST", "/v1/chat/completions", {"model": "nope", "messages": CHAT_OK}, 404, "model"),
     ("POST", "/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+    # Tokenizer options are not template variables: they would turn the ids into tensors.
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_OK,
+                                      "chat_template_kwargs": {"return_tensors": "pt"}}, 400,
+     "chat_template_kwargs"),
+    ("POST", "/tokenize", {"model": MODEL, "messages": CHAT_OK,
+                           "chat_template_kwargs": {"return_tensors": "np"}}, 400,
+     "chat_template_kwargs"),
+    ("POST", "/v1/chat/completions",
+     b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     400, "messages[0].content"),
     ("POST", "/detokenize", {"model": MODEL, "tokens": [10**9]}, 400, "tokens"),
     ("GET", "/v1/no-such-route", None, 404, None),
     # A lone surrogate: valid JSON, not encodable as UTF-8.
@@ -683,6 +693,18 @@ def test_error_cases(http, method, path, body, status, param):
         assert err["param"] == param, err
     if status == 404 and path.startswith("/v1/c"):
         assert err["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(("body", "headers", "quoted"), [
+    ("x" * 100_000, {"Content-Type": "text/plain"}, "100000 bytes that are not a JSON object"),
+    (json.dumps({"model": MODEL, "prompt": "x", "temperature": "h" * 100_000}),
+     {"Content-Type": "application/json"}, "... (100002 characters)"),
+])
+def test_error_messages_do_not_echo_large_inputs(http, body, headers, quoted):
+    r = http.post("/v1/completions", content=body, headers=headers)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert quoted in message and len(message) < 300, message
 
 
 def test_auth_and_openai_exceptions(ready, client):

@@ -181,26 +181,29 @@ class AsyncLLM:
         built: concurrent.futures.Future[AsyncLLM] = concurrent.futures.Future()
 
         def build_and_run() -> None:
+            if not built.set_running_or_notify_cancel():
+                return  # interrupted before the load began
             torch.set_num_threads(num_threads)
             try:
                 llm = cls(LLMEngine(args), stat_logger, num_threads)
             except Exception as err:  # noqa: BLE001 - re-raised by built.result() on the caller
-                if built.set_running_or_notify_cancel():
-                    built.set_exception(err)
+                built.set_exception(err)
                 return
             llm._thread = threading.current_thread()
-            if built.set_running_or_notify_cancel():  # False: the caller gave up meanwhile
-                built.set_result(llm)
-                llm._run()
+            built.set_result(llm)
+            llm._run()  # returns at once if the caller was interrupted (it shuts llm down)
 
         thread = threading.Thread(target=build_and_run, name="pagedserve-engine", daemon=True)
-        thread.start()
         try:
+            thread.start()  # Ctrl-C may land in here too, once the thread runs
             return built.result()
         except KeyboardInterrupt:
-            if not built.cancel():  # built already: stop its loop
+            # The thread either never began the load (cancel succeeds, it returns at once) or
+            # has begun it: wait for the load, then stop the engine it built.
+            if not built.cancel() and built.exception() is None:
                 built.result().shutdown()
-            thread.join()
+            if thread.is_alive():
+                thread.join()
             raise
 
     # -- lifecycle ----------------------------------------------------------------------

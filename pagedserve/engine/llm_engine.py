@@ -44,7 +44,8 @@ from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# A prompt: text, token ids, or vLLM's {"prompt_token_ids": [...]} / {"prompt": "..."}.
+# A prompt: text, token ids, or vLLM's {"prompt_token_ids": [...]} (optionally with its text
+# under "prompt") / {"prompt": "..."}.
 PromptType = str | list[int] | dict
 
 
@@ -191,8 +192,7 @@ class LLMEngine:
 
     def _load_model(self) -> torch.nn.Module:
         cls = get_model_class(self.hf_config)
-        gguf_kernels = use_gguf_kernels(self.args.quantization, self.model_path, self.device,
-                                        self.dtype)
+        gguf_kernels = use_gguf_kernels(self.args.quantization, self.model_path, self.device)
         with torch.device(self.device):
             model = cls(self.hf_config, self.attention_backend, self.max_model_len).to(self.dtype)
         if self.args.load_format == "dummy":  # vLLM's name: random weights, for benchmarks
@@ -241,8 +241,10 @@ class LLMEngine:
         self.scheduler.add_request(children[0], forks=children[1:])
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text = None
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
+            if "prompt_token_ids" in prompt:  # with an optional "prompt": its text
+                text = prompt.get("prompt")
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
@@ -260,7 +262,7 @@ class LLMEngine:
         if bad:
             raise ValueError(
                 f"token id {bad[0]} is out of the vocabulary [0, {self.hf_config.vocab_size})")
-        return None, prompt
+        return text, prompt
 
     def _truncate(self, text: str | None, token_ids: list[int], keep: int | None
                   ) -> tuple[str | None, list[int]]:

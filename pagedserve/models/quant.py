@@ -9,7 +9,7 @@ Why: at batch 1 a decode step is bound by reading the weights, and the blocks ar
 Steps of more than ``MAX_ROWS`` tokens (prefill, large batches) run MKL on the float32
 weights, which layers keep as well.
 
-On by default for GGUF models on CPU in float32 (``--quantization`` unset or ``gguf``);
+On by default for GGUF models on CPU, in any dtype (``--quantization`` unset or ``gguf``);
 ``--quantization none`` computes from dequantized float32 weights only; ``--quantization
 int8`` replaces the weights by int8 ones instead (``int8.py``, any checkpoint, CPU only).
 
@@ -66,8 +66,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return int8_linear(x, quant, bias)
     rows = x.numel() // x.shape[-1]
     if quant is not None and rows <= MAX_ROWS:
-        out = torch.ops.pagedserve.ggml_mul_mat(quant.qweight, x.reshape(rows, -1),
-                                                int(quant.qtype))
+        # The kernel computes in float32; bfloat16 / float16 rows are few here, so converting
+        # them costs little next to reading the weights (a no-op in float32).
+        out = torch.ops.pagedserve.ggml_mul_mat(quant.qweight, x.reshape(rows, -1).float(),
+                                                int(quant.qtype)).to(x.dtype)
     elif weight.shape[0] > COLUMN_CHUNK and weight.is_cpu and not torch.is_grad_enabled():
         out = column_chunked_mm(x.reshape(rows, -1), weight)
     else:
@@ -99,10 +101,11 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.quant)
 
 
-def use_gguf_kernels(quantization: str | None, model_path: pathlib.Path, device: str,
-                     dtype: torch.dtype) -> bool:
+def use_gguf_kernels(quantization: str | None, model_path: pathlib.Path, device: str) -> bool:
     """Whether to attach GGUF blocks: for a .gguf model unless ``quantization`` is "none"
-    or "int8", and only on CPU in float32 where the C++ kernels build.
+    or "int8", and only on CPU where the C++ kernels build. Any model dtype: the kernels
+    take float32 rows, so bfloat16 steps convert their few rows (``linear``); a lone
+    request then reads 4-bit weights in bfloat16 too, instead of 16-bit ones.
 
     Raises ValueError for a ``quantization`` not in (None, *QUANTIZATION_CHOICES), "gguf"
     for a model that is not a GGUF file, or "int8" on a device other than the CPU.
@@ -117,9 +120,8 @@ def use_gguf_kernels(quantization: str | None, model_path: pathlib.Path, device:
         raise ValueError(f"quantization 'int8' runs on CPU only; got device {device!r}")
     if quantization in ("none", "int8") or not is_gguf:
         return False
-    if device != "cpu" or dtype != torch.float32:
-        logger.info("GGUF kernels run on CPU in float32 only: %s %s uses dequantized weights",
-                    device, dtype)
+    if device != "cpu":
+        logger.info("GGUF kernels run on CPU only: %s uses dequantized weights", device)
         return False
     from pagedserve.cpu_ops import cpu_ops_available
 

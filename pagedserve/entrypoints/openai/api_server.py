@@ -92,6 +92,17 @@ def _error_param(err: dict) -> str | None:
     return param
 
 
+def _shown(value: object, limit: int = 80) -> str:
+    """A rejected value as the error message quotes it: objects by type, long values cut
+    (a body sent as text/plain arrives as bytes; a message must not echo megabytes)."""
+    if isinstance(value, (dict, list)):
+        return type(value).__name__
+    if isinstance(value, bytes):
+        return f"{len(value)} bytes that are not a JSON object"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The 400 for a request body FastAPI/pydantic rejected (JSON syntax, types, ranges)."""
     errors = exc.errors()
@@ -107,7 +118,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     for err in errors[:5]:
         param = _error_param(err)
         value = err.get("input")
-        shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+        shown = _shown(value)
         where = f"'{param}'" if param else "the request body"
         messages.append(f"Invalid value for {where}: {err.get('msg')} (got {shown})")
     if len(errors) > 5:

@@ -42,6 +42,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     until_disconnected,
 )
 from pagedserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from pagedserve.tokenizer import encode_text
 
 
 def normalize_prompts(prompt) -> list[str | dict]:
@@ -106,6 +107,8 @@ class OpenAIServingCompletion:
         """Answer one completions request. Raises ``APIError`` (400, 404, 503)."""
         arrival = time.monotonic()
         self.ctx.check_model(req.model)
+        batch = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(
+            req.prompt[0], int)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
         n = req.n or 1
@@ -118,7 +121,7 @@ class OpenAIServingCompletion:
         if req.prompt_logprobs is not None and req.stream:
             raise APIError(400, "prompt_logprobs are not available when stream is true",
                            param="prompt_logprobs")
-        prompts = normalize_prompts(req.prompt)
+        prompts = await self._tokenized(normalize_prompts(req.prompt), batch)
         # echo + logprobs needs the prompt's logprobs too: compute the larger top-N once.
         wanted = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None)
                   if v is not None]
@@ -127,13 +130,32 @@ class OpenAIServingCompletion:
         params = sampling_params(req, max_tokens, req.logprobs, max(wanted, default=None),
                                  constraint)
         request_id = random_id("cmpl")
-        batch = isinstance(req.prompt, list) and not isinstance(req.prompt[0], int)
         streams = await add_requests(self.ctx.engine, request_id, prompts, params, arrival,
                                      indexed=batch, constraint=constraint)
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, streams, n),
                                      media_type="text/event-stream")
         return await until_disconnected(raw, self._full(req, request_id, streams, n))
+
+    async def _tokenized(self, prompts: list[str | dict], batch: bool) -> list[str | dict]:
+        """Text prompts tokenized on the tokenizer thread (``{"prompt", "prompt_token_ids"}``):
+        a long text must not stall the engine thread, which streams every other request.
+        Raises ``APIError`` 400 naming ``prompt`` (``prompt[i]`` in a batch) for invalid text."""
+        tok = self.ctx.tokenizer
+        if tok is None:
+            return prompts  # the engine rejects text prompts without a tokenizer
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                try:
+                    p = {"prompt": p,
+                         "prompt_token_ids": await self.ctx.run_tokenizer(encode_text, tok, p)}
+                except ValueError as err:
+                    param = f"prompt[{i}]" if batch else "prompt"
+                    raise APIError(400, f"{param}: {err}" if batch else str(err),
+                                   param=param) from err
+            out.append(p)
+        return out
 
     async def _echo_info(self, out: RequestOutput) -> tuple[str, str]:
         """(prompt text, text of the first prompt token) for ``echo``; the text of a sample

@@ -151,6 +151,11 @@ class ServingContext:
                                 "be true", param="continue_final_message")
         conversation = [message_to_dict(m, i) for i, m in enumerate(messages)]
         extra = dict(kwargs or {})
+        reserved = sorted(_TOKENIZE_OPTIONS.intersection(extra))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: these "
+                                "are tokenizer options, not template variables",
+                           param="chat_template_kwargs")
         if continue_final_message:
             extra["continue_final_message"] = True
         if tools:
@@ -169,10 +174,17 @@ class ServingContext:
         return list(ids)
 
 
+# apply_chat_template's own options: they change what it returns (tensors, dicts, padded
+# batches) rather than what the template renders, so a request may not set them.
+_TOKENIZE_OPTIONS = frozenset({
+    "tokenize", "return_tensors", "return_dict", "return_assistant_tokens_mask", "padding",
+    "truncation", "max_length", "tokenizer_kwargs", "conversation"})
+
+
 def message_to_dict(message: ChatMessage, index: int) -> dict:
     """A message as the chat template wants it; text parts are joined with newlines.
 
-    Raises ``APIError`` 400 for non-text parts. (A missing ``content`` is rejected by the
+    Raises ``APIError`` 400 for non-text parts and text that is not valid Unicode. (A missing ``content`` is rejected by the
     message models already, except on an assistant turn, where it renders as "".)"""
     content = message.content
     if isinstance(content, list):
@@ -183,6 +195,12 @@ def message_to_dict(message: ChatMessage, index: int) -> dict:
                                     "only text parts are", param=f"messages[{index}].content")
             texts.append(part.text)
         content = "\n".join(texts)
+    if content is not None:
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: valid JSON, not valid Unicode
+            raise APIError(400, f"the content is not valid Unicode: {e.reason} at position "
+                                f"{e.start}", param=f"messages[{index}].content") from e
     out = {"role": message.role, "content": content if content is not None else ""}
     if message.name is not None:
         out["name"] = message.name
