@@ -179,7 +179,7 @@ def main(args: argparse.Namespace) -> int:
     result = run(engine, samples, not args.disable_detokenize, not args.disable_tqdm)
     print_report(result)
     if args.structured_outputs:
-        result["structured_outputs"] = _structured(engine, samples, args, result)
+        result["structured_outputs"] = _structured(engine, samples, args, dict(result))
     if result["output_tokens"] != result["expected_output_tokens"]:
         print(f"warning: {result['output_tokens']} output tokens generated, "
               f"{result['expected_output_tokens']} expected")
