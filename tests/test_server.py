@@ -1080,11 +1080,10 @@ def test_tool_choice_named_and_required(client, stream):
 CALL = '{"name": "get_time", "arguments": {"city": "Paris"}}'
 
 
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize(("script", "content", "names"), [  # more cases: test_tool_parsers.py
-    (f"<tool_call>\n{CALL}\n</tool_call>", None, ["get_time"]),
+@pytest.mark.parametrize(("script", "content", "names", "stream"), [  # more: test_tool_parsers
+    (f"<tool_call>\n{CALL}\n</tool_call>", None, ["get_time"], False),
     (f"Ok.<tool_call>{CALL}</tool_call>\n<tool_call>{CALL}</tool_call>", "Ok.",
-     ["get_time", "get_time"]),
+     ["get_time", "get_time"], True),
 ])
 def test_tool_choice_auto_parses_hermes_calls(client, stream, script, content, names):
     """The model's output is scripted (a one-choice constraint) so that the hermes parser
