@@ -263,13 +263,15 @@ def test_length_cut_and_stop_string(tiny_llm, llm):
     assert (stopped.outputs[0].text, stopped.outputs[0].finish_reason) == ("Paris", "stop")
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
+BAD_SPECS = [
     ({"json": {"type": "nonsense"}}, "structured_outputs.json"),
     ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
     ({"regex": "a(b"}, "structured_outputs.regex"),
     ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
-])
-def test_bad_specs_raise_and_leave_others_running(tiny_llm, llm, kwargs, message):
+]
+
+
+def test_bad_specs_raise_and_leave_others_running(tiny_llm, llm):
     tok = llm.get_tokenizer()
     prompt = {"prompt_token_ids": _chat(tok, "hi")}
     params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=_spec(*CASES[0]))
@@ -277,9 +279,11 @@ def test_bad_specs_raise_and_leave_others_running(tiny_llm, llm, kwargs, message
     engine = tiny_llm.engine
     engine.add_request("good", prompt, params)
     engine.step()
-    bad = SamplingParams(structured_outputs=StructuredOutputsParams(**kwargs))
-    with pytest.raises(ValueError, match=re.escape(message)):
-        engine.add_request("bad", prompt, bad)
+    for kwargs, message in BAD_SPECS:
+        bad = SamplingParams(structured_outputs=StructuredOutputsParams(**kwargs))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            engine.add_request("bad", prompt, bad)
+        engine.step()
     done = []
     while engine.has_unfinished_requests():
         done += [o for o in engine.step() if o.finished]
