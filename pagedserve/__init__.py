@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedserve.entrypoints.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -46,7 +50,9 @@ class Request:
     """One sequence being generated.
 
     ``all_token_ids`` is the prompt followed by the output so far; tokens
-    ``[0, num_computed_tokens)`` have their K/V in the cache.
+    ``[0, num_computed_tokens)`` have their K/V in the cache. ``grammar`` is the
+    sequence's structured-output state (None when unconstrained); the scheduler never
+    looks at it.
     """
 
     def __init__(
@@ -57,6 +63,7 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float | None = None,
         generator: torch.Generator | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -64,6 +71,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.generator = generator
+        self.grammar = grammar
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 # Ill-typed values raise ValueError too, not TypeError (hence the TRY004 noqa's): the
@@ -38,6 +38,63 @@ def _as_float(name: str, value: object) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number; got {value!r}")
     return float(value)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a JSON schema, a regex, a list of choices or a
+    grammar (vLLM's ``StructuredOutputsParams``; compiled by xgrammar).
+
+    Exactly one of the constraint fields must be set.
+
+    Attributes:
+        json: a JSON schema, as a dict or its JSON text.
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF (GBNF) grammar whose start rule is ``root``.
+        json_object: any JSON object (``response_format={"type": "json_object"}``).
+        disable_any_whitespace: JSON without free whitespace (``", "`` and ``": "``
+            separators only); small models otherwise tend to emit whitespace forever.
+
+    Raises:
+        ValueError: no constraint or more than one, or an ill-typed field (naming it).
+            A schema, regex or grammar that does not compile is reported by the engine's
+            ``add_request``.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        set_kinds = self.kinds()
+        if len(set_kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {set_kinds or 'none'}")
+        kind = set_kinds[0]
+        value = getattr(self, kind)
+        types = {"json": (str, dict), "regex": str, "grammar": str, "json_object": bool}
+        if kind == "choice":
+            if not isinstance(value, (list, tuple)) or not value or not all(
+                    isinstance(c, str) for c in value):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 f"strings; got {value!r}")
+            self.choice = list(value)
+        elif not isinstance(value, types[kind]):
+            raise ValueError(f"structured_outputs.{kind} has the wrong type; got {value!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            got = self.disable_any_whitespace
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be a bool; "  # noqa: TRY004
+                             f"got {got!r}")
+
+    def kinds(self) -> list[str]:
+        """Names of the constraint fields that are set (``json_object`` counts when true)."""
+        names = [f.name for f in fields(self) if f.name != "disable_any_whitespace"]
+        return [n for n in names
+                if getattr(self, n) is not None and getattr(self, n) is not False]
 
 
 @dataclass
@@ -74,6 +131,7 @@ class SamplingParams:
         truncate_prompt_tokens: keep only the last k prompt tokens (>= 1), or -1 for the
             last ``max_model_len``; None = no truncation. The engine raises ``ValueError``
             when k > max_model_len (vLLM's ``truncate_prompt_tokens``, left truncation).
+        structured_outputs: constrain the output (``StructuredOutputsParams``), or None.
 
     Raises:
         ValueError: on any out-of-range or ill-typed value, naming the field.
@@ -101,6 +159,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -120,6 +179,10 @@ class SamplingParams:
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self._verify_ranges()
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams; got "
+                             f"{self.structured_outputs!r}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

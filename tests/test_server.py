@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -63,6 +64,7 @@ TEXT_CASES = {
 # n > 1 with a seed (issue 12): n different samples, the same set offline and over HTTP.
 SEEDED_CHAT = [{"role": "user", "content": "Write a one-line slogan for a bakery."}]
 SEEDED_PARAMS = SamplingParams(n=4, temperature=0.9, seed=7, max_tokens=30)
+TOOLS_TEMPLATE = Path(__file__).parent / "smollm2_tools.jinja"
 START_TIMEOUT = 600  # seconds; the shared 2-core machine can be very slow under load
 
 
@@ -82,7 +84,11 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port",
              str(self.port), "--dtype", "float32", "--api-key", API_KEY, "--max-model-len",
-             str(MAX_MODEL_LEN), "--uvicorn-log-level", "warning"],
+             str(MAX_MODEL_LEN), "--uvicorn-log-level", "warning",
+             # tools (issue 14): SmolLM2's own template plus hermes-style tools, rendering
+             # exactly as the model's template when a request has no tools
+             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+             "--chat-template", str(TOOLS_TEMPLATE)],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def log_text(self) -> str:
@@ -564,6 +570,19 @@ def test_taken_port_fails_before_the_model_loads():
 
 LONG = list(range(100, 100 + MAX_MODEL_LEN + 5))
 CHAT_OK = [{"role": "user", "content": "hi"}]
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "Current time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                 "maxLength": 12}},
+                       "required": ["city"], "additionalProperties": False}}},
+]
 ERROR_CASES = [
     # (method, path, json body or raw bytes, status, param)
     ("POST", "/v1/completions", b"{not json", 400, None),
@@ -638,6 +657,24 @@ ERROR_CASES = [
     ("POST", "/v1/completions",
      b'{"model": "SmolLM2-135M-Instruct", "prompt": "x", "temperature": 1e999}', 400,
      "temperature"),
+    # structured outputs and tools (issue 14)
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_OK, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     400, "response_format"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "a(b"}, 400,
+     "guided_regex"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x",
+                                 "structured_outputs": {"grammar": "root ::= nope"}}, 400,
+     "structured_outputs"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "guided_choice": ["a"],
+                                 "response_format": {"type": "json_object"}}, 400,
+     "guided_choice"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_OK, "tools": TOOLS,
+                                      "tool_choice": {"type": "function",
+                                                      "function": {"name": "nope"}}},
+     400, "tool_choice"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT_OK,
+                                      "tool_choice": "required"}, 400, "tool_choice"),
 ]
 
 
@@ -942,6 +979,129 @@ def test_openapi_bounds_messages_and_health(openapi):
     assert "422" not in errors  # validation errors are 400s in OpenAI's format
     assert errors["4XX"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ErrorResponse"}
+
+
+# -- structured outputs and tools (issue 14) ------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0,
+                                                   "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+NO_WS = {"structured_outputs": {"disable_any_whitespace": True}}
+
+
+def test_response_format_and_structured_outputs(client, twins):
+    """Chat with OpenAI's response_format, completions with vLLM's fields; every result
+    checked by jsonschema / re. Streamed: the twin check also runs each request
+    non-streamed and compares text and finish_reason."""
+    stream, checked = True, twins.checked
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person in JSON."}],
+        temperature=0, max_tokens=60, stream=stream, extra_body=NO_WS,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    text, finish = stream_result_text(chat, stream, chat=True)
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+    cases = [({"guided_choice": ["Paris", "London"]}, lambda t: t in ("Paris", "London")),
+             ({"structured_outputs": {"regex": r"[0-9]{4}"}},
+              lambda t: re.fullmatch(r"[0-9]{4}", t)),
+             ({"response_format": {"type": "json_object"}, **NO_WS},
+              lambda t: isinstance(json.loads(t), dict))]
+    for extra, check in cases:
+        out = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                        max_tokens=40, temperature=0, stream=stream,
+                                        extra_body=extra)
+        text, finish = stream_result_text(out, stream, chat=False)
+        assert finish == "stop" and check(text), (extra, text)
+    assert twins.checked == checked + 1 + len(cases)
+
+
+def stream_result_text(result, stream: bool, chat: bool) -> tuple[str, str]:
+    """(text, finish_reason) of choice 0 of an openai-client result, streamed or not."""
+    if not stream:
+        c = result.choices[0]
+        return (c.message.content if chat else c.text), c.finish_reason
+    text, finish = "", None
+    for chunk in result:
+        for c in chunk.choices:
+            text += (c.delta.content or "") if chat else c.text
+            finish = c.finish_reason or finish
+    return text, finish
+
+
+def _tool_calls(result, stream: bool) -> tuple[str | None, list[dict], str]:
+    """(content, [{"id", "name", "arguments"}], finish_reason) of choice 0, rebuilt from
+    OpenAI's tool-call deltas when streamed."""
+    if not stream:
+        msg = result.choices[0].message
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in msg.tool_calls or []]
+        assert all(c.type == "function" for c in msg.tool_calls or [])
+        return msg.content, calls, result.choices[0].finish_reason
+    content, calls, finish = None, {}, None
+    for chunk in result:
+        for c in chunk.choices:
+            if c.delta.content:
+                content = (content or "") + c.delta.content
+            for d in c.delta.tool_calls or []:
+                if d.id is not None:  # a call's first delta: id, type, name
+                    assert d.type == "function" and d.index not in calls
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_named_and_required(client, stream):
+    schema = TOOLS[0]["function"]["parameters"]
+    named = client.chat.completions.create(
+        model=MODEL, messages=WEATHER_Q, tools=TOOLS, temperature=0, max_tokens=60,
+        stream=stream, extra_body=NO_WS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    content, calls, finish = _tool_calls(named, stream)
+    assert (content, finish, [c["name"] for c in calls]) == (None, "stop", ["get_weather"])
+    assert calls[0]["id"].startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(calls[0]["arguments"]), schema)
+
+    required = client.chat.completions.create(
+        model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice="required", temperature=0,
+        max_tokens=80, stream=stream, parallel_tool_calls=False, extra_body=NO_WS)
+    content, calls, finish = _tool_calls(required, stream)
+    assert (content, finish, len(calls)) == (None, "tool_calls", 1)
+    (tool,) = [t for t in TOOLS if t["function"]["name"] == calls[0]["name"]]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), tool["function"]["parameters"])
+
+
+CALL = '{"name": "get_time", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize(("script", "content", "names", "stream"), [  # more: test_tool_parsers
+    (f"<tool_call>\n{CALL}\n</tool_call>", None, ["get_time"], False),
+    (f"Ok.<tool_call>{CALL}</tool_call>\n<tool_call>{CALL}</tool_call>", "Ok.",
+     ["get_time", "get_time"], True),
+])
+def test_tool_choice_auto_parses_hermes_calls(client, stream, script, content, names):
+    """The model's output is scripted (a one-choice constraint) so that the hermes parser
+    sees a known text; the conversation also carries an earlier call and its result."""
+    messages = [*WEATHER_Q,
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 25 C"},
+                {"role": "user", "content": "And in Paris?"}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=100,
+        stream=stream, extra_body={"structured_outputs": {"choice": [script]}})
+    got_content, calls, finish = _tool_calls(out, stream)
+    assert got_content == content
+    assert [c["name"] for c in calls] == names
+    assert all(json.loads(c["arguments"]) == {"city": "Paris"} for c in calls)
+    assert finish == "tool_calls"
 
 
 # -- shutdown (last: it stops the shared server) ------------------------------------------

@@ -7,11 +7,15 @@ tokens/s and the elapsed time, plus the engine steps and mean sequences per step
 ``--scheduling static`` runs the same requests with static batching (same model code and
 kernels) for a side-by-side comparison with continuous batching. ``--timeline FILE.html``
 (or ``.png``) writes the run's step timeline and KV block usage, as ``/dashboard`` draws them.
+``--structured-outputs json`` runs the requests twice on one engine, unconstrained and then
+constrained to a JSON schema (same output lengths: ``ignore_eos``), and prints the ratio
+and the grammar's compile time, first and cached.
 
 Example::
 
     pagedserve bench throughput --dataset-name workload --dtype float32
     pagedserve bench throughput --dataset-name workload --scheduling static --max-num-seqs 16
+    pagedserve bench throughput --dataset-name workload --structured-outputs json
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from tqdm import tqdm
 
 from pagedserve.benchmarks import datasets
 from pagedserve.engine.args import EngineArgs
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs
     from pagedserve.engine.llm_engine import LLMEngine
@@ -41,22 +45,43 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "preemptions and KV blocks used (.png needs matplotlib)")
     parser.add_argument("--disable-detokenize", action="store_true",
                         help="do not build output text (token ids only)")
+    parser.add_argument("--structured-outputs", choices=["json"], default=None,
+                        help="also run every request constrained to a JSON schema, and "
+                             "compare")
     EngineArgs.add_cli_args(parser)
 
 
+# An object whose string can go on as long as the output: no request ends its grammar early.
+BENCH_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}},
+                "required": ["answer"]}
+
+
 def run(engine: LLMEngine, samples: list[datasets.SampleRequest], detokenize: bool = True,
-        use_tqdm: bool = True) -> dict:
-    """Queue every request, step the engine until all finish; return the figures."""
+        use_tqdm: bool = True, structured: StructuredOutputsParams | None = None) -> dict:
+    """Queue every request, step the engine until all finish; return the figures.
+
+    The prefix cache is emptied first, so that a second run on the same engine computes
+    the same prompts again. ``decode_step_time`` is the mean time of the steps that only
+    decode (one token per running sequence): the part a per-token cost such as a grammar
+    bitmask adds to."""
+    engine.kv_cache_manager.pool.reset_prefix_cache()
     start = time.perf_counter()
     for i, s in enumerate(samples):
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=s.expected_output_len,
-                                detokenize=detokenize)
-        engine.add_request(str(i), {"prompt_token_ids": s.prompt_token_ids}, params)
+                                detokenize=detokenize, structured_outputs=structured)
+        engine.add_request(f"{'so-' if structured else ''}{i}",
+                           {"prompt_token_ids": s.prompt_token_ids}, params)
     steps = sampled = 0
     output_tokens = 0
+    decode_times: list[float] = []
     with tqdm(total=len(samples), desc="Processed prompts", disable=not use_tqdm) as bar:
         while engine.has_unfinished_requests():
+            pure_decode = not engine.scheduler.waiting and all(
+                r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running)
+            t0 = time.perf_counter()
             outputs = engine.step()
+            if pure_decode:
+                decode_times.append(time.perf_counter() - t0)
             steps += 1
             sampled += len(outputs)  # the requests that produced a token
             for out in outputs:
@@ -78,6 +103,8 @@ def run(engine: LLMEngine, samples: list[datasets.SampleRequest], detokenize: bo
         "num_steps": steps,
         "mean_requests_sampled_per_step": sampled / steps if steps else 0.0,
         "num_preemptions": engine.scheduler.num_preemptions,
+        "decode_step_time": sum(decode_times) / len(decode_times) if decode_times else None,
+        "num_decode_steps": len(decode_times),
     }
 
 
@@ -94,10 +121,57 @@ def print_report(r: dict) -> None:
         ("engine steps", r["num_steps"]),
         ("requests sampled per step", f"{r['mean_requests_sampled_per_step']:.1f} (mean)"),
         ("preemptions", r["num_preemptions"]),
+        ("decode-only step (ms)", "n/a" if r["decode_step_time"] is None else
+         f"{r['decode_step_time'] * 1e3:.1f} (mean of {r['num_decode_steps']})"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+
+
+def compile_times(engine: LLMEngine, spec: StructuredOutputsParams) -> dict:
+    """Seconds to compile ``spec``'s grammar the first time (with the vocabulary's
+    preprocessing, done once per engine) and again (a cache hit)."""
+    from pagedserve.structured_output.grammar import GrammarCache
+
+    cache = GrammarCache(engine.tokenizer, engine.hf_config.vocab_size,
+                         engine.structured_output.stop_token_ids)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        cache.get(spec).result()
+        times.append(time.perf_counter() - t0)
+    cache.shutdown()
+    return {"compile_first_s": times[0], "compile_cached_s": times[1]}
+
+
+def _best(runs: list[dict]) -> dict:
+    """The run with the highest output tokens/s (the least disturbed on a shared machine)."""
+    return max(runs, key=lambda r: r["output_tokens_per_second"])
+
+
+def _structured(engine: LLMEngine, samples, args: argparse.Namespace, free: dict) -> dict:
+    """Alternate unconstrained and constrained runs (two more of each after ``free``) and
+    compare the best of each: on a shared machine, load shifts between runs."""
+    spec = StructuredOutputsParams(json=BENCH_SCHEMA)
+    times = compile_times(engine, spec)
+    detok, bar = not args.disable_detokenize, not args.disable_tqdm
+    frees, constrained = [free], []
+    for _ in range(2):
+        constrained.append(run(engine, samples, detok, bar, spec))
+        frees.append(run(engine, samples, detok, bar))
+    best_free, result = _best(frees), _best(constrained)
+    print("\nconstrained to a JSON schema (best of 2; unconstrained: best of 3):")
+    print_report(result)
+    ratio = result["output_tokens_per_second"] / best_free["output_tokens_per_second"]
+    step_ratio = min(r["decode_step_time"] for r in frees) / min(
+        r["decode_step_time"] for r in constrained)
+    print(f"constrained / unconstrained: output tokens/s {ratio:.3f}, decode steps/s "
+          f"{step_ratio:.3f}; grammar compile: {times['compile_first_s'] * 1e3:.1f} ms first "
+          f"(with the vocabulary's preprocessing), {times['compile_cached_s'] * 1e3:.3f} ms "
+          "cached")
+    return {**result, **times, "ratio_to_unconstrained": ratio, "decode_step_ratio": step_ratio,
+            "unconstrained_runs": frees, "constrained_runs": constrained}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -113,12 +187,14 @@ def main(args: argparse.Namespace) -> int:
                                    engine.max_model_len)
     result = run(engine, samples, not args.disable_detokenize, not args.disable_tqdm)
     print_report(result)
-    if args.timeline:
+    if args.timeline:  # the main run's steps only
         write_timeline(args.timeline, engine.timeline.columns(), engine.num_blocks,
                        f"pagedserve bench throughput: {len(samples)} requests, "
                        f"{engine.scheduler_config.scheduling} batching, "
                        f"{result['output_tokens_per_second']:.1f} output tok/s")
         print(f"timeline written to {args.timeline}")
+    if args.structured_outputs:
+        result["structured_outputs"] = _structured(engine, samples, args, dict(result))
     if result["output_tokens"] != result["expected_output_tokens"]:
         print(f"warning: {result['output_tokens']} output tokens generated, "
               f"{result['expected_output_tokens']} expected")

@@ -35,6 +35,8 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     distributed_timeout: float = 300.0
+    # vLLM's StructuredOutputsConfig as a dict; only "backend" ("auto" or "xgrammar").
+    structured_outputs_config: dict | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -110,8 +112,26 @@ class EngineArgs:
         parser.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
                             help="seconds a rank may take for one collective before the "
                                  "engine declares it hung and stops (default 300)")
+        parser.add_argument("--structured-outputs-config.backend", default="auto",
+                            dest="structured_outputs_backend", choices=["auto", "xgrammar"],
+                            help="engine of structured outputs (response_format, "
+                                 "structured_outputs, tools): auto and xgrammar both mean "
+                                 "xgrammar")
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        kwargs = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if hasattr(args, "structured_outputs_backend"):
+            kwargs["structured_outputs_config"] = {"backend": args.structured_outputs_backend}
+        return cls(**kwargs)
+
+    @property
+    def structured_outputs_backend(self) -> str:
+        """The structured-outputs backend; raises ``ValueError`` for unknown config keys."""
+        config = dict(self.structured_outputs_config or {})
+        unknown = sorted(set(config) - {"backend"})
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown keys {unknown}; known: "
+                             "['backend']")
+        return config.get("backend", "auto")

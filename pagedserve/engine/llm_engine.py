@@ -31,6 +31,7 @@ from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sample.sampler import make_generator
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.tokenizer import encode_text
 from pagedserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedserve.worker.kv_cache import (
@@ -137,6 +138,10 @@ class LLMEngine:
         tp = self.parallel_config.tensor_parallel_size
         self.kv_config = shard_config(self.hf_config, tp)  # one rank's KV heads
         self.attention_backend = get_attention_backend(args.attention_backend, self.device)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.hf_config.vocab_size,
+            [t for t in (self.eos_token_id, *self.extra_eos_token_ids) if t is not None],
+            args.structured_outputs_backend)
         # Ranks 1.. start first and load their shards while this process loads rank 0's.
         self.executor = create_executor(self.parallel_config, args)
         try:
@@ -145,7 +150,7 @@ class LLMEngine:
                 self.attention_backend, self.max_model_len, self.executor.group))
             self.model_runner = self.executor.model_runner_class(
                 self.model, args.block_size, self.device, self.hf_config.vocab_size,
-                self.eos_token_id)
+                self.eos_token_id, self.structured_output.grammar_bitmask)
             self.memory_profile = self._profile_memory()
             self.num_blocks = self.executor.agree_num_blocks(num_kv_blocks(
                 self.cache_config, self.memory_profile.bytes_per_block,
@@ -272,6 +277,7 @@ class LLMEngine:
             params = replace(params, stop_token_ids=[
                 *params.stop_token_ids,
                 *(t for t in self.extra_eos_token_ids if t not in params.stop_token_ids)])
+        grammars = self.structured_output.request_grammars(params, params.n)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
@@ -282,7 +288,7 @@ class LLMEngine:
             generator = (make_generator(child_params.seed, self.device)
                          if child_params.seed is not None else None)
             children.append(Request(child_id, token_ids, child_params, self.eos_token_id,
-                                    arrival, generator))
+                                    arrival, generator, grammars[i]))
         parent = ParentState(request_id, text, token_ids, params, RequestMetrics(arrival))
         self.output_processor.add_request(parent, children)
         self.scheduler.add_request(children[0], forks=children[1:])
@@ -403,6 +409,7 @@ class LLMEngine:
             raise
         self.scheduler.update_from_output(sched, out.sampled)
         forked = [child for children in sched.forks.values() for child in children]
+        self.structured_output.advance(sched.requests + forked, out.sampled)
         touched, stopped = self.output_processor.process(sched.requests + forked, out)
         self.scheduler.finish_requests([r.request_id for r in stopped],
                                        RequestStatus.FINISHED_STOPPED)

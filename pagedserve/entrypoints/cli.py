@@ -57,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "the dashboard's data")
     serve.add_argument("--disable-dashboard", action="store_true",
                        help="do not serve the live page /dashboard (nor its data)")
+    serve.add_argument("--chat-template", default=None,
+                       help="chat template (a file, or the Jinja text itself) to use instead "
+                            "of the model's, e.g. one that renders tools")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto" (the default when tools are given): '
+                            "the model decides, --tool-call-parser finds its calls")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                       help="how tool calls are found in the text under tool_choice auto "
+                            "(hermes: <tool_call>{...}</tool_call> blocks, as Qwen2.5/Qwen3)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="log level of the HTTP server")

@@ -5,6 +5,8 @@ Follows vLLM v1's ``Sampler`` (``vllm/v1/sample/sampler.py``) in order and seman
 1. log-probabilities from the RAW logits (vLLM's default ``raw_logprobs`` mode);
 2. ``logit_bias`` (added), ``min_tokens`` (EOS and stop tokens -> -inf);
 3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens);
+3b. structured outputs: the grammar bitmask of the constrained rows only (-inf where a
+   token is not allowed; -inf commutes with the temperature division that follows);
 4. greedy rows take the argmax; the others: / temperature, min_p, top_k, top_p, softmax,
    then the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, which draws from
    ``probs`` exactly. A row with a seeded generator draws its own ``q`` from it, so its
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.sampling_params import SAMPLING_EPS, SamplingParams
+from pagedserve.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -61,6 +64,7 @@ class SamplingBatch:
             when no row has a penalty.
         min_tokens_rows, min_tokens_ids: int64 index pairs set to -inf (min_tokens).
         bias_rows, bias_ids, bias_values: sparse logit_bias entries (int64, int64, float32).
+        grammar: bitmask of the rows with a structured-output grammar, or None.
         max_num_logprobs: largest ``logprobs`` of the batch (at most V), or None if none.
         all_greedy, all_random, no_penalties, no_top_k, no_top_p, no_min_p: skip flags.
         vocab_size: V, the width of the logits this batch is for.
@@ -82,6 +86,7 @@ class SamplingBatch:
     bias_rows: torch.Tensor | None
     bias_ids: torch.Tensor | None
     bias_values: torch.Tensor | None
+    grammar: GrammarBitmask | None
     max_num_logprobs: int | None
     all_greedy: bool
     all_random: bool
@@ -95,11 +100,14 @@ class SamplingBatch:
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[torch.Generator | None],
               eos_token_id: int | None, vocab_size: int,
-              device: torch.device | str) -> SamplingBatch:
+              device: torch.device | str, grammar: GrammarBitmask | None = None
+              ) -> SamplingBatch:
         """Gather the rows' parameters into tensors on ``device``.
 
         ``min_tokens`` masks ``stop_token_ids`` and, unless ``ignore_eos`` (then EOS is an
-        ordinary token, as in vLLM's ``all_stop_token_ids``), ``eos_token_id``.
+        ordinary token, as in vLLM's ``all_stop_token_ids``), ``eos_token_id``; not on a
+        row whose grammar allows nothing but stop tokens (``grammar.stop_only``), which
+        would otherwise have no token left.
         Raises ``ValueError`` if the lists differ in length or a ``logit_bias`` /
         ``stop_token_ids`` id is outside [0, vocab_size).
         """
@@ -125,8 +133,10 @@ class SamplingBatch:
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_vals: list[float] = []
+        grammar_done = set() if grammar is None else {
+            int(r) for r, done in zip(grammar.rows, grammar.stop_only) if done}
         for i, p in enumerate(params):
-            if len(output_token_ids[i]) < p.min_tokens:
+            if len(output_token_ids[i]) < p.min_tokens and i not in grammar_done:
                 stops = set(p.stop_token_ids or [])
                 if eos_token_id is not None and not p.ignore_eos:
                     stops.add(eos_token_id)
@@ -162,6 +172,7 @@ class SamplingBatch:
             bias_rows=i64(bias_rows),
             bias_ids=i64(bias_ids),
             bias_values=f32(bias_vals) if bias_vals else None,
+            grammar=grammar,
             max_num_logprobs=min(max(logprobs), vocab_size) if logprobs else None,
             all_greedy=all(greedy),
             all_random=not any(greedy),
@@ -225,20 +236,28 @@ class Sampler:
 
     @staticmethod
     def process_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logit_bias, min_tokens, penalties on float32 ``raw`` [B, V] -> [B, V].
+        """logit_bias, min_tokens, penalties, grammar bitmask on float32 ``raw`` [B, V]
+        -> [B, V].
 
         Returns ``raw`` itself when nothing applies, else a new tensor (``raw`` untouched).
         """
         x = raw
         if batch.bias_rows is not None or batch.min_tokens_rows is not None \
-                or not batch.no_penalties:
+                or not batch.no_penalties or batch.grammar is not None:
             x = raw.clone()
         if batch.bias_rows is not None:
             x.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
         if batch.min_tokens_rows is not None:
             x[batch.min_tokens_rows, batch.min_tokens_ids] = float("-inf")
-        if batch.no_penalties:
-            return x
+        if not batch.no_penalties:
+            x = Sampler._penalties(x, batch)
+        if batch.grammar is not None:
+            apply_grammar_bitmask(x, batch.grammar)
+        return x
+
+    @staticmethod
+    def _penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Repetition, frequency and presence penalties; ``x`` [B, V] is modified."""
         vocab = x.shape[1]
         out_counts = _bin_counts(batch.output_token_ids, vocab)
         out_mask = out_counts > 0

@@ -10,6 +10,7 @@ CUDA graph when the engine captured them (``decode_graphs``, see ``cuda_graphs.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.request import Request
 from pagedserve.sample.sampler import Sampler, SamplingBatch
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output import GrammarBitmask
 from pagedserve.worker.cuda_graphs import DecodeGraphs
 
 
@@ -44,8 +46,13 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
+    """``grammar_bitmask(requests)`` gives the structured-output bitmask of the rows to
+    sample (``requests[i]`` = row i), or None when no row is constrained."""
+
     def __init__(self, model, block_size: int, device: str, vocab_size: int,
-                 eos_token_id: int | None) -> None:
+                 eos_token_id: int | None,
+                 grammar_bitmask: Callable[[list[Request]], GrammarBitmask | None] | None = None
+                 ) -> None:
         self.model = model
         self.kv_caches: list[torch.Tensor] = []  # set once the pool is sized
         self.decode_graphs: DecodeGraphs | None = None  # set after the pool (CUDA graphs)
@@ -53,6 +60,7 @@ class ModelRunner:
         self.device = device
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self.grammar_bitmask = grammar_bitmask or (lambda requests: None)
         self.sampler = Sampler()
 
     @torch.inference_mode()
@@ -163,7 +171,7 @@ class ModelRunner:
             [r.prompt_token_ids for r in requests],
             [r.output_token_ids for r in requests],
             [r.generator for r in requests],
-            self.eos_token_id, self.vocab_size, logits.device,
+            self.eos_token_id, self.vocab_size, logits.device, self.grammar_bitmask(requests),
         )
         result = self.sampler(logits, batch)
         token_ids = result.sampled_token_ids.tolist()

@@ -23,6 +23,7 @@ import logging
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -421,7 +422,33 @@ def run_server(args: argparse.Namespace) -> int:
         return _serve(args, sock)
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: the text of the file it names, else the value itself when it
+    looks like a Jinja template (vLLM's rule). Raises ``ValueError`` for a value that is
+    neither (a mistyped path)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a readable file nor a template")
+
+
+def _tool_flags(args: argparse.Namespace) -> tuple[bool, str | None]:
+    """(``--enable-auto-tool-choice``, ``--tool-call-parser``); raises ``ValueError`` when
+    the first is given without the second (vLLM's rule)."""
+    auto = bool(getattr(args, "enable_auto_tool_choice", False))
+    parser = getattr(args, "tool_call_parser", None)
+    if auto and parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return auto, parser
+
+
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
+    chat_template = load_chat_template(getattr(args, "chat_template", None))
+    auto_tools, tool_parser = _tool_flags(args)
     engine_args = EngineArgs.from_cli_args(args)
     dp = engine_args.data_parallel_size
     if dp > 1:
@@ -438,7 +465,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     engine.stat_logger = stat_logger if latency is None else StatLoggers(stat_logger, latency)
     ctx = ServingContext(engine=engine, served_model_name=name, model_aliases=aliases,
                          model_root=str(core.model_path), tokenizer=core.tokenizer,
-                         max_model_len=core.max_model_len)
+                         max_model_len=core.max_model_len, chat_template=chat_template,
+                         enable_auto_tool_choice=auto_tools, tool_call_parser=tool_parser)
     app = build_app(ctx, stat_logger, api_key=args.api_key, latency=latency,
                     enable_dashboard=not args.disable_dashboard)
     block_size = core.args.block_size

@@ -82,8 +82,43 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema``: OpenAI's ``{name, description, schema, strict}``."""
+
+    name: str
+    description: str | None = None
+    # "schema" shadows a pydantic BaseModel attribute: stored as json_schema, sent as schema.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (JSON that validates against ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs`` object: exactly one of ``json`` (a schema), ``regex``,
+    ``choice``, ``grammar`` (EBNF), ``json_object``; ``disable_any_whitespace`` drops free
+    whitespace from JSON."""
+
+    # "json" shadows a pydantic BaseModel method: stored as json_, sent as json.
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(OpenAIBaseModel):
-    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras).
+
+    Constraints (at most one): ``response_format``, ``structured_outputs`` and vLLM's older
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``."""
 
     model: str | None = None
     frequency_penalty: float | None = 0.0
@@ -109,6 +144,12 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool | None = False
     # -1: the last max_model_len tokens; 0 is rejected by SamplingParams, naming the field.
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # -- completions ----------------------------------------------------------------------
@@ -232,6 +273,21 @@ class UserMessage(OpenAIBaseModel):
     name: str | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    """A function call: its name and its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    """One entry of ``tool_calls``: ``{"id", "type": "function", "function"}``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(OpenAIBaseModel):
     """An assistant message: the only role whose ``content`` may be omitted or null
     (OpenAI's rule, for turns that carry only tool calls)."""
@@ -239,14 +295,43 @@ class AssistantMessage(OpenAIBaseModel):
     role: Literal["assistant"]
     content: MessageContent | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ToolMessage(OpenAIBaseModel):
-    """A tool result; ``content`` is required."""
+    """A tool result; ``content`` is required; ``tool_call_id`` names the call answered."""
 
     role: Literal["tool"]
     content: MessageContent
     name: str | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    """A tool's function: ``name``, ``description``, ``parameters`` (a JSON schema)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """``tool_choice`` forcing one function: ``{"type": "function", "function": {"name"}}``."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 # A conversation message, chosen by ``role`` (a discriminated union: the OpenAPI document
@@ -255,12 +340,6 @@ class ToolMessage(OpenAIBaseModel):
 ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage,
                         Field(discriminator="role")]
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class ResponseFormat(OpenAIBaseModel):
-    """``response_format``; only ``text`` is served."""
-
-    type: Literal["text", "json_object", "json_schema"]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -284,10 +363,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM extras
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -296,11 +374,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class ChatMessageResponse(BaseModel):
-    """The assistant message of a chat choice."""
+    """The assistant message of a chat choice; ``content`` is null when it only calls
+    tools, ``tool_calls`` null when it calls none."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -350,10 +430,12 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatCompletionStreamChoice(BaseModel):
-    """``delta`` holds only the keys that changed (``role`` first, then ``content``)."""
+    """``delta`` holds only the keys that changed (``role`` first, then ``content`` or
+    ``tool_calls``: ``[{"index", "id", "type", "function": {"name", "arguments"}}]`` on a
+    call's first delta, ``[{"index", "function": {"arguments"}}]`` after, as OpenAI)."""
 
     index: int
-    delta: dict[str, str]
+    delta: dict[str, Any]
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
 

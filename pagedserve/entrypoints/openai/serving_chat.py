@@ -39,10 +39,18 @@ from pagedserve.entrypoints.openai.serving_engine import (
     merge_streams,
     message_to_dict,
     random_id,
+    request_constraint,
     sampling_params,
     sse,
     sse_error,
     until_disconnected,
+)
+from pagedserve.entrypoints.openai.tools import (
+    DeltaStream,
+    ToolMode,
+    parse_output,
+    tool_mode,
+    tool_schema,
 )
 from pagedserve.outputs import Logprob, RequestOutput
 
@@ -86,31 +94,29 @@ class OpenAIServingChat:
         """Answer one chat request. Raises ``APIError`` (400, 404, 503)."""
         arrival = time.monotonic()
         self.ctx.check_model(req.model)
-        if req.tools:
-            raise APIError(400, "tools are not supported", param="tools")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, f"response_format {req.response_format.type!r} is not supported",
-                           param="response_format")
+        mode = tool_mode(req, self.ctx.enable_auto_tool_choice)
+        constraint = request_constraint(req, tool_schema(mode, req.parallel_tool_calls is not False))
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = sampling_params(req, max_tokens, top)
+        params = sampling_params(req, max_tokens, top, constraint=constraint)
         add_generation_prompt = req.add_generation_prompt is not False
         prompt_ids = await self.ctx.run_tokenizer(
             self.ctx.apply_chat_template, req.messages, add_generation_prompt,
-            bool(req.continue_final_message), req.chat_template_kwargs)
+            bool(req.continue_final_message), req.chat_template_kwargs, mode.tools)
         request_id = random_id("chatcmpl")
         streams = await add_requests(self.ctx.engine, request_id,
                                      [{"prompt_token_ids": prompt_ids}], params, arrival,
-                                     prompt_param="messages")
+                                     prompt_param="messages", constraint=constraint)
         echo = echo_text(req.messages) if req.echo else ""
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, streams, top, echo),
+            return StreamingResponse(self._stream(req, request_id, streams, top, echo, mode),
                                      media_type="text/event-stream")
-        return await until_disconnected(raw, self._full(request_id, streams, top, echo))
+        return await until_disconnected(raw, self._full(request_id, streams, top, echo, mode))
 
-    async def _full(self, request_id: str, streams, top: int | None, echo: str) -> Response:
+    async def _full(self, request_id: str, streams, top: int | None, echo: str,
+                    mode: ToolMode) -> Response:
         final: RequestOutput | None = None
         try:
             async for _, out in merge_streams(streams):
@@ -123,17 +129,17 @@ class OpenAIServingChat:
             usage.completion_tokens += len(c.token_ids)
             logprobs = (chat_logprobs(c.token_ids, c.logprobs or [], top)
                         if top is not None else None)
+            content, calls, finish_reason = parse_output(mode, echo + c.text, c.finish_reason)
             choices.append(ChatCompletionResponseChoice(
-                index=c.index, message=ChatMessageResponse(content=echo + c.text),
-                logprobs=logprobs,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                index=c.index, message=ChatMessageResponse(content=content, tool_calls=calls),
+                logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         body = ChatCompletionResponse(id=request_id, model=self.ctx.served_model_name,
                                       choices=choices, usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, streams,
-                      top: int | None, echo: str) -> AsyncIterator[str]:
+                      top: int | None, echo: str, mode: ToolMode) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model = self.ctx.served_model_name
@@ -142,6 +148,7 @@ class OpenAIServingChat:
         sent_tokens = [0] * n
         done: set[int] = set()
         usage = UsageInfo()
+        deltas = [DeltaStream(mode) for _ in range(n)]
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             body = ChatCompletionStreamResponse(id=request_id, created=created, model=model,
@@ -153,7 +160,8 @@ class OpenAIServingChat:
                 yield chunk(ChatCompletionStreamChoice(
                     index=i, delta={"role": "assistant", "content": ""}))
             for i in range(n if echo else 0):  # the echoed message is the first content
-                yield chunk(ChatCompletionStreamChoice(index=i, delta={"content": echo}))
+                for delta in deltas[i].feed(echo):
+                    yield chunk(ChatCompletionStreamChoice(index=i, delta=delta))
             async for _, out in merge_streams(streams):
                 usage.prompt_tokens = len(out.prompt_token_ids)
                 usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -169,13 +177,20 @@ class OpenAIServingChat:
                         logprobs = chat_logprobs(c.token_ids[start:], (c.logprobs or [])[start:],
                                                  top)
                         sent_tokens[i] = len(c.token_ids)
-                    if not text and not (logprobs and logprobs.content) and not c.finish_reason:
-                        continue
+                    new = deltas[i].feed(text) if text else []
+                    finish_reason = None
                     if c.finish_reason is not None:
                         done.add(i)
-                    yield chunk(ChatCompletionStreamChoice(
-                        index=i, delta={"content": text} if text else {}, logprobs=logprobs,
-                        finish_reason=c.finish_reason))
+                        last, finish_reason = deltas[i].finish(c.finish_reason)
+                        new += last
+                    if not new and not (logprobs and logprobs.content) and not finish_reason:
+                        continue
+                    # logprobs ride on the first chunk, finish_reason on the last
+                    new = new or [{}]
+                    for k, delta in enumerate(new):
+                        yield chunk(ChatCompletionStreamChoice(
+                            index=i, delta=delta, logprobs=logprobs if k == 0 else None,
+                            finish_reason=finish_reason if k == len(new) - 1 else None))
             if include_usage:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 yield sse(ChatCompletionStreamResponse(

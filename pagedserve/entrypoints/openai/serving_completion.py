@@ -35,6 +35,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     engine_error,
     merge_streams,
     random_id,
+    request_constraint,
     sampling_params,
     sse,
     sse_error,
@@ -125,10 +126,12 @@ class OpenAIServingCompletion:
         wanted = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None)
                   if v is not None]
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
-        params = sampling_params(req, max_tokens, req.logprobs, max(wanted, default=None))
+        constraint = request_constraint(req)
+        params = sampling_params(req, max_tokens, req.logprobs, max(wanted, default=None),
+                                 constraint)
         request_id = random_id("cmpl")
         streams = await add_requests(self.ctx.engine, request_id, prompts, params, arrival,
-                                     indexed=batch)
+                                     indexed=batch, constraint=constraint)
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, streams, n),
                                      media_type="text/event-stream")

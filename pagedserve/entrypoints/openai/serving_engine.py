@@ -32,7 +32,7 @@ from pagedserve.entrypoints.openai.protocol import (
     SamplingFields,
 )
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,6 +109,9 @@ class ServingContext:
         max_model_len: longest sequence in tokens.
         executor: one thread for tokenizer work, so chat templating and ``/tokenize``
             never block the event loop.
+        chat_template: ``--chat-template``'s template text, or None for the model's.
+        enable_auto_tool_choice: ``--enable-auto-tool-choice`` (``tool_choice: "auto"``
+            parses calls from the text with ``tool_call_parser``).
     """
 
     engine: AsyncLLM
@@ -120,6 +123,9 @@ class ServingContext:
     executor: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pagedserve-tokenizer"))
+    chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def check_model(self, name: str | None) -> None:
         """Raise a 404 unless ``name`` is None or one of the served model's names."""
@@ -132,9 +138,12 @@ class ServingContext:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                            continue_final_message: bool, kwargs: dict | None) -> list[int]:
-        """Token ids of the conversation through the model's chat template (as
-        ``LLM.chat``). Raises ``APIError`` 400 for messages the template cannot take."""
+                            continue_final_message: bool, kwargs: dict | None,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Token ids of the conversation through the chat template (``--chat-template`` or
+        the model's, as ``LLM.chat``), with ``tools`` (OpenAI's tool objects) given to the
+        template as its ``tools`` variable. Raises ``APIError`` 400 for messages the
+        template cannot take."""
         if self.tokenizer is None:
             raise APIError(400, "chat needs a tokenizer (skip_tokenizer_init was given)")
         if add_generation_prompt and continue_final_message:
@@ -149,6 +158,10 @@ class ServingContext:
                            param="chat_template_kwargs")
         if continue_final_message:
             extra["continue_final_message"] = True
+        if tools:
+            extra["tools"] = tools
+        if self.chat_template is not None:
+            extra["chat_template"] = self.chat_template
         try:
             ids = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
@@ -191,19 +204,117 @@ def message_to_dict(message: ChatMessage, index: int) -> dict:
     out = {"role": message.role, "content": content if content is not None else ""}
     if message.name is not None:
         out["name"] = message.name
+    if getattr(message, "tool_call_id", None) is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if getattr(message, "tool_calls", None):
+        out["tool_calls"] = [_template_tool_call(c, index) for c in message.tool_calls]
     return out
 
 
+def _template_tool_call(call, index: int) -> dict:
+    """A tool call as chat templates take it: ``arguments`` as an object, not JSON text
+    (templates apply ``tojson`` to it; vLLM converts the same way). Raises ``APIError``
+    400 when the arguments are not a JSON object."""
+    try:
+        args = json.loads(call.function.arguments)
+    except ValueError as err:
+        raise APIError(400, f"tool call arguments are not valid JSON: {err}",
+                       param=f"messages[{index}].tool_calls") from err
+    return {"id": call.id, "type": call.type,
+            "function": {"name": call.function.name, "arguments": args}}
+
+
 _SAMPLING_NAMES = {
-    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+    "structured_outputs", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
     "logit_bias", "prompt_logprobs", "truncate_prompt_tokens",
 }
 
 
+@dataclass
+class Constraint:
+    """A request's structured-output constraint and where it came from.
+
+    Attributes:
+        spec: the engine's constraint.
+        param: the top-level request field it came from (``response_format``,
+            ``structured_outputs``, ``guided_regex``, ``tool_choice``, ...).
+        label: how error messages name the constraint's value (``guided_regex``,
+            ``response_format.json_schema.schema``).
+    """
+
+    spec: StructuredOutputsParams
+    param: str
+    label: str
+
+    def rename(self, err: APIError) -> APIError:
+        """An engine error about ``structured_outputs.<kind>`` restated with this
+        constraint's field (the engine names its own parameter)."""
+        kind = self.spec.kinds()[0]
+        prefix = f"structured_outputs.{kind}"
+        if err.message.startswith(prefix):
+            err.message = self.label + err.message[len(prefix):]
+            err.param = self.param
+        return err
+
+
+_GUIDED = ("json", "regex", "choice", "grammar")
+
+
+def request_constraint(req: SamplingFields, tool_schema: dict | None = None
+                       ) -> Constraint | None:
+    """The constraint of ``tool_choice`` (``tool_schema``, the schema of a forced tool
+    call), ``response_format``, ``structured_outputs`` or a ``guided_*`` field, or None.
+    ``structured_outputs`` with only ``disable_any_whitespace`` set adds that option to
+    another constraint.
+
+    Raises ``APIError`` 400 naming the field when several constraints are given or one is
+    malformed."""
+    found: list[tuple[str, str, dict]] = []
+    if tool_schema is not None:
+        found.append(("tool_choice", "tool_choice", {"json": tool_schema}))
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", "response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                           param="response_format")
+        found.append(("response_format", "response_format.json_schema.schema",
+                      {"json": fmt.json_schema.json_schema}))
+    so = req.structured_outputs
+    no_ws = bool(so and so.disable_any_whitespace)
+    if so is not None:
+        kinds = {"json": so.json_, "regex": so.regex, "choice": so.choice,
+                 "grammar": so.grammar, "json_object": so.json_object or None}
+        kinds = {k: v for k, v in kinds.items() if v is not None}
+        if kinds or not found:
+            found.append(("structured_outputs", "structured_outputs", kinds))
+    for kind in _GUIDED:
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            found.append((f"guided_{kind}", f"guided_{kind}", {kind: value}))
+    if len(found) > 1:
+        names = [f[0] for f in found]
+        raise APIError(400, f"only one kind of constraint may be given; got {names}",
+                       param=found[1][0])
+    if not found:
+        return None
+    param, label, kwargs = found[0]
+    try:
+        spec = StructuredOutputsParams(**kwargs, disable_any_whitespace=no_ws)
+    except ValueError as err:
+        raise APIError(400, f"{param}: {err}", param=param) from err
+    if param == "structured_outputs":
+        label = f"structured_outputs.{spec.kinds()[0]}"
+    return Constraint(spec, param, label)
+
+
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """``SamplingParams`` of a request (None fields take their defaults).
+                    prompt_logprobs: int | None = None,
+                    constraint: Constraint | None = None) -> SamplingParams:
+    """``SamplingParams`` of a request (None fields take their defaults), constrained by
+    ``constraint`` if given.
 
     Raises ``APIError`` 400 naming the field for an out-of-range value."""
     def pick(value, default):
@@ -235,6 +346,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             include_stop_str_in_output=pick(req.include_stop_str_in_output, False),
             logit_bias=req.logit_bias,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            structured_outputs=None if constraint is None else constraint.spec,
         )
     except ValueError as err:
         raise bad_request(err, _SAMPLING_NAMES) from err
@@ -242,13 +354,14 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
 
 async def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params: SamplingParams,
                        arrival_time: float, prompt_param: str = "prompt",
-                       indexed: bool = False) -> list[RequestStream]:
+                       indexed: bool = False,
+                       constraint: Constraint | None = None) -> list[RequestStream]:
     """Add one engine request per prompt (ids ``base_id`` or ``base_id-i``); all or none.
 
     Raises ``APIError`` 400 for a prompt the engine rejects: ``param`` is the sampling field
     named in the message, else ``prompt_param``, or with ``indexed`` (a batch of prompts)
-    ``prompt_param[i]``, which then also starts the message. 503 when the engine is shutting
-    down."""
+    ``prompt_param[i]``, which then also starts the message; a constraint that does not
+    compile names ``constraint``'s field. 503 when the engine is shutting down."""
     streams: list[RequestStream] = []
     i = 0
     try:
@@ -260,6 +373,8 @@ async def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params: Sa
             s.abort()
         if isinstance(err, ValueError):
             api = bad_request(err, _SAMPLING_NAMES)
+            if constraint is not None:
+                api = constraint.rename(api)
             if api.param is None:
                 api.param = f"{prompt_param}[{i}]" if indexed else prompt_param
                 if indexed:
