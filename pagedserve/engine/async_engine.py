@@ -339,11 +339,11 @@ class AsyncLLM:
                 outputs = self.engine.step(on_scheduled=self._record_scheduled)
             except EngineDeadError as err:  # a rank died or hung: no step can run again
                 logger.error("engine is dead, failing %d requests: %s", len(self._requests), err)
-                self._drop_all(EngineStepError(f"engine is dead: {err}"))
-                self._record(None)
-                with self._cond:
+                with self._cond:  # refuse new requests before failing those in flight
                     self._closing = True
                     self._shutdown_error = EngineStepError(f"engine is dead: {err}")
+                self._drop_all(EngineStepError(f"engine is dead: {err}"))
+                self._record(None)
                 continue
             except Exception as err:  # a bug or device failure: fail what is in flight
                 logger.exception("engine step failed; aborting %d requests", len(self._requests))
