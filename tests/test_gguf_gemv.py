@@ -115,6 +115,39 @@ def test_linear_from_blocks_in_half_precision(dtype):
     assert rel_err(out, exact) < torch.finfo(dtype).eps
 
 
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs PyTorch's MKL")
+def test_packed_weights_equal_f_linear_bit_for_bit():
+    """The MKL-packed weight (packed once, for 64 rows) serves every step of more than
+    MAX_ROWS rows, whatever its row count, with F.linear's exact result; smaller steps and
+    autograd leave it unused."""
+    gen = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(300, 96, generator=gen), torch.randn(300, generator=gen)
+    packed = quant_module.pack_weight(weight)
+    with torch.no_grad():
+        for rows in (MAX_ROWS + 1, 37, 64, 200):
+            x = torch.randn(rows, 96, generator=gen)
+            assert torch.equal(linear(x, weight, bias, packed=packed), F.linear(x, weight, bias))
+        x3 = torch.randn(2, 20, 96, generator=gen)  # leading dimensions kept
+        assert torch.equal(linear(x3, weight, None, packed=packed), F.linear(x3, weight))
+        zeros = torch.zeros_like(weight)  # a packed zero weight shows which path ran
+        packed_zeros = quant_module.pack_weight(zeros)
+        small = torch.randn(MAX_ROWS, 96, generator=gen)
+        assert linear(small, weight, None, packed=packed_zeros).abs().sum() > 0
+    big = torch.randn(MAX_ROWS + 1, 96, generator=gen)
+    assert linear(big, weight, None, packed=packed_zeros).abs().sum() > 0  # autograd on
+
+
+def test_model_weights_are_packed_in_float32_only(llm, llm_fp32):
+    assert quant_module.packing_available("cpu", torch.float32)
+    assert not quant_module.packing_available("cpu", torch.bfloat16)
+    assert not quant_module.packing_available("cuda", torch.float32)
+    for engine in (llm, llm_fp32):
+        model = engine.engine.model
+        layers = [m for m in model.modules() if isinstance(m, Linear)]
+        assert all(m.packed is not None for m in layers)
+        assert model.tied_lm_head_packed is not None
+
+
 def test_wide_weights_multiply_in_column_slices(monkeypatch):
     """Slices of 16 output columns (16 + 16 + 8) fill every column of the product, bias
     added, leading dimensions kept; with autograd on, plain F.linear keeps gradients."""

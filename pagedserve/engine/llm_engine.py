@@ -25,7 +25,14 @@ from pagedserve.engine.timeline import StepTimeline
 from pagedserve.models.gguf_loader import iter_gguf_blocks
 from pagedserve.models.int8 import quantize_model
 from pagedserve.models.loader import iter_weights, load_config, resolve_model_path
-from pagedserve.models.quant import KERNEL_TYPES, MAX_ROWS, attach_gguf_weights, use_gguf_kernels
+from pagedserve.models.quant import (
+    KERNEL_TYPES,
+    MAX_ROWS,
+    attach_gguf_weights,
+    pack_model_weights,
+    packing_available,
+    use_gguf_kernels,
+)
 from pagedserve.models.registry import get_model_class
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.request import Request, RequestStatus
@@ -87,9 +94,12 @@ def load_model(args: EngineArgs, hf_config, model_path, device: str, dtype: torc
                         count, MAX_ROWS)
     else:
         raise ValueError(f"load_format must be auto or dummy; got {args.load_format!r}")
+    inner = model if group is None else model.model
     if args.quantization == "int8":
-        inner = model if group is None else model.model
         logger.info("%d weights quantized to int8 (W8A8)", quantize_model(inner))
+    if packing_available(device, dtype):
+        logger.info("%d weights packed for MKL (steps of > %d tokens)",
+                    pack_model_weights(inner), MAX_ROWS)
     return model.eval()
 
 

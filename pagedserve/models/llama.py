@@ -209,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         # GGUF blocks (quant.attach_gguf_weights) or int8 rows (int8.quantize_model) of the
         # tied head (embed_tokens.weight)
         self.tied_lm_head_quant: GGUFWeight | Int8Weight | None = None
+        self.tied_lm_head_packed: torch.Tensor | None = None  # quant.pack_weight
 
     # -- what families override ---------------------------------------------------------
 
@@ -259,7 +260,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``
         (soft-capped ``cap * tanh(logits / cap)`` where the model configures it)."""
         if self.tie_word_embeddings:
-            logits = linear(hidden, self.embed_tokens.weight, quant=self.tied_lm_head_quant)
+            logits = linear(hidden, self.embed_tokens.weight, quant=self.tied_lm_head_quant,
+                            packed=self.tied_lm_head_packed)
         else:
             logits = self.lm_head(hidden)
         if self.final_logit_softcapping:

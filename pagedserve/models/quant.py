@@ -57,14 +57,21 @@ class GGUFWeight:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           quant: GGUFWeight | Int8Weight | None = None) -> torch.Tensor:
+           quant: GGUFWeight | Int8Weight | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, ``[..., K] -> [..., N]``: by ``int8_linear`` for an
     ``Int8Weight`` quant (then ``weight`` is unused); from ``quant`` (the same weight as GGUF
-    blocks) when x has at most ``MAX_ROWS`` rows; else by ``column_chunked_mm`` for a CPU
-    weight wider than ``COLUMN_CHUNK`` without autograd."""
+    blocks) when x has at most ``MAX_ROWS`` rows; else from ``packed`` (``pack_weight``)
+    without autograd; else by ``column_chunked_mm`` for a CPU weight wider than
+    ``COLUMN_CHUNK`` without autograd."""
     if isinstance(quant, Int8Weight):
         return int8_linear(x, quant, bias)
     rows = x.numel() // x.shape[-1]
+    if packed is not None and rows > MAX_ROWS and not torch.is_grad_enabled():
+        # Told the step's own row count, MKL computes from the packed weight (told another,
+        # PyTorch silently falls back to an unpacked GEMM).
+        out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed, weight, bias, rows)
+        return out.view(*x.shape[:-1], -1)
     if quant is not None and rows <= MAX_ROWS:
         # The kernel computes in float32; bfloat16 / float16 rows are few here, so converting
         # them costs little next to reading the weights (a no-op in float32).
@@ -90,12 +97,43 @@ def column_chunked_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def packing_available(device: str, dtype: torch.dtype) -> bool:
+    """Whether ``pack_weight`` applies: float32 weights on CPU with PyTorch's MKL."""
+    return device == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (float32, CPU) packed once for MKL's packed SGEMM
+    (``cblas_sgemm_pack``, through ``torch.ops.mkl``; inductor's ``freezing`` does the same).
+
+    Why: ``F.linear`` lets MKL pack the weight on every call; packed once, the workload's
+    steps ran 1.7x faster end to end (``benchmarks/README.md``, packed weights), with results
+    bit-equal to ``F.linear`` from ``MAX_ROWS`` rows up (tested). The price is memory: the
+    packed buffer is 2-9x the weight's bytes (~2 GB for SmolLM2-135M in float32)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 64)
+
+
+def pack_model_weights(model: nn.Module) -> int:
+    """Pack every float ``Linear`` weight of ``model`` (and its tied LM head) for steps of
+    more than ``MAX_ROWS`` rows; int8 layers are left alone. Returns the number packed."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and not isinstance(module.quant, Int8Weight):
+            module.packed = pack_weight(module.weight)
+            count += 1
+    if model.tie_word_embeddings and not isinstance(model.tied_lm_head_quant, Int8Weight):
+        model.tied_lm_head_packed = pack_weight(model.embed_tokens.weight)
+        count += 1
+    return count
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that computes from ``quant`` when it is set: small batches from GGUF
     blocks of its weight (``attach_gguf_weights``), or all from int8 rows that replace the
     weight (``int8.quantize_model``); see ``linear``."""
 
     quant: GGUFWeight | Int8Weight | None = None
+    packed: torch.Tensor | None = None  # pack_weight(weight), for steps of > MAX_ROWS rows
 
     def reset_parameters(self) -> None:
         """No random initialization: ``load_weights`` overwrites every weight (and raises
@@ -103,7 +141,7 @@ class Linear(nn.Linear):
         SmolLM2's 120 Linears took ~1 s of start-up for values thrown away."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.quant)
+        return linear(x, self.weight, self.bias, self.quant, self.packed)
 
 
 def use_gguf_kernels(quantization: str | None, model_path: pathlib.Path, device: str) -> bool:
