@@ -106,8 +106,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` (float32, CPU) packed once for MKL's packed SGEMM
     (``cblas_sgemm_pack``, through ``torch.ops.mkl``; inductor's ``freezing`` does the same).
 
-    Why: ``F.linear`` lets MKL pack the weight on every call; packed once, the workload's
-    steps ran 1.7x faster end to end (``benchmarks/README.md``, packed weights), with results
+    Why: ``F.linear`` lets MKL pack the weight on every call; packed once, the shared
+    workload ran 1.21x faster (1.7x on a 32-request run; ``benchmarks/README.md``), results
     bit-equal to ``F.linear`` from ``MAX_ROWS`` rows up (tested). The price is memory:
     PyTorch allocates 2-9x the weight's bytes for the packed buffer, of which fewer pages
     are touched (SmolLM2-135M in float32: peak RSS 1.03 -> 1.51 GB)."""
