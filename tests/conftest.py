@@ -4,6 +4,7 @@ tiny random-weight Llama."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -128,3 +129,10 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str,
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what} (last value: {got!r})")
         time.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a test server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

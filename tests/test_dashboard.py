@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import wait_until
+from conftest import free_port, wait_until
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,16 +42,10 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 START_TIMEOUT = 600  # seconds; the shared machine can be very slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A running server: its base URL."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("dashboard") / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(

@@ -6,20 +6,19 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import replace
 
 import httpx
 import pytest
+from conftest import free_port, wait_until
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.distributed.data_parallel import DataParallelLLM, replica_cpus
 from pagedserve.engine.args import EngineArgs
 from pagedserve.engine.snapshot import merge_snapshots, take_snapshot
 from pagedserve.metrics import PrometheusStatLogger
-from tests.conftest import wait_until
 
 ARGS = EngineArgs(dtype="float32", skip_tokenizer_init=True, block_size=4, max_model_len=64,
                   num_gpu_blocks_override=64, max_num_seqs=8)
@@ -105,9 +104,7 @@ def test_serve_dp2_answers_with_per_replica_metrics_and_pools(tmp_path):
     """``pagedserve serve -dp 2`` (the bundled model) end to end, the dashboard on as by
     default: completions, ``/metrics`` labelled per engine, ``/dashboard/state`` one pool per
     replica."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(

@@ -25,7 +25,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from conftest import wait_until
+from conftest import free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from stream_twins import (
     PATHS,
@@ -68,15 +68,9 @@ TOOLS_TEMPLATE = Path(__file__).parent / "smollm2_tools.jinja"
 START_TIMEOUT = 600  # seconds; the shared 2-core machine can be very slow under load
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, tmp: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "server.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
