@@ -306,3 +306,26 @@ def test_matcher_advanced_twice_is_caught(llm):
     grammar.accept(token, 1)
     with pytest.raises(RuntimeError, match="out of step"):
         grammar.accept(token, 1)
+
+
+@pytest.mark.parametrize("density", [0.999, 0.5, 0.002])
+def test_bitmask_kernel_masks_exactly_the_disallowed_tokens(density):
+    """Our CPU kernel against the bool mask the bits were packed from, for a dense and a
+    restrictive grammar, a vocabulary ending in a partial word and a subset of rows."""
+    from pagedserve.structured_output import GrammarBitmask, apply_grammar_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    batch, vocab, rows = 5, 32 * 40 + 7, [1, 3, 4]
+    words = -(-vocab // 32)
+    allowed = torch.rand(len(rows), words * 32, generator=gen) < density
+    bits = (allowed.view(len(rows), words, 32).long() << torch.arange(32)).sum(-1)
+    bitmask = (bits - (bits >= 2**31).long() * 2**32).to(torch.int32)  # as signed int32
+    logits = torch.randn(batch, vocab, generator=gen)
+    expected = logits.clone()
+    for j, row in enumerate(rows):
+        expected[row, ~allowed[j, :vocab]] = float("-inf")
+    apply_grammar_bitmask(logits, GrammarBitmask(torch.tensor(rows), bitmask, [False] * 3))
+    assert torch.equal(logits, expected)
+    with pytest.raises(ValueError, match="bitmask covers"):
+        apply_grammar_bitmask(logits, GrammarBitmask(torch.tensor(rows), bitmask[:, :-1],
+                                                     [False] * 3))
