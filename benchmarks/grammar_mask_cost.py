@@ -1,6 +1,8 @@
 """What structured outputs add to one engine step, measured alone: filling the grammar
-bitmask of 64 constrained rows (one xgrammar matcher each, inside a JSON string) and
-applying it to [64, 49152] float32 logits (SmolLM2's vocabulary), on one thread.
+bitmask of 64 constrained rows (one xgrammar matcher each) and applying it to [64, 49152]
+float32 logits (SmolLM2's vocabulary) with our CPU kernel and with xgrammar's, in two
+states of the bench's JSON schema: inside a string (almost every token allowed) and right
+after ``{`` (only the key's opening quote allowed).
 
 Compare with the decode-step time of 64 sequences from ``pagedserve bench throughput``
 (the same machine, the same minute): on a shared machine a ratio of two throughput runs
@@ -14,6 +16,7 @@ from __future__ import annotations
 import time
 
 import torch
+import xgrammar as xgr
 
 from pagedserve.benchmarks.throughput import BENCH_SCHEMA
 from pagedserve.models.loader import resolve_model_path
@@ -25,33 +28,38 @@ from pagedserve.tokenizer import load_tokenizer
 ROWS, VOCAB, REPEATS = 64, 49152, 30
 
 
+def _ms(fn, setup=lambda: None) -> float:
+    """Mean milliseconds of ``fn(a)``, each ``a`` made beforehand by ``setup()``."""
+    args = [setup() for _ in range(REPEATS)]
+    t0 = time.perf_counter()
+    for a in args:
+        fn(a)
+    return (time.perf_counter() - t0) / REPEATS * 1e3
+
+
 def main() -> None:
-    torch.set_num_threads(1)
     tok = load_tokenizer(resolve_model_path(None))
     manager = StructuredOutputManager(tok, VOCAB, [tok.eos_token_id])
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json=BENCH_SCHEMA))
-    requests = [Request(str(i), [1], params, tok.eos_token_id, grammar=g)
-                for i, g in enumerate(manager.request_grammars(params, ROWS))]
-    for r in requests:  # inside the string: the widest masks of this schema
-        for t in tok.encode('{"answer": "The', add_special_tokens=False):
-            r.append_output_token(t)
-            r.grammar.accept(t, r.num_output_tokens)
     logits = torch.randn(ROWS, VOCAB)
-    apply_grammar_bitmask(logits.clone(), manager.grammar_bitmask(requests))  # warm-up
-    t0 = time.perf_counter()
-    for _ in range(REPEATS):
+    print(f"per step, {ROWS} constrained rows, vocabulary {VOCAB}, "
+          f"{torch.get_num_threads()} torch threads:")
+    for state, text in (("after '{'", "{"), ("inside the string", '{"answer": "The')):
+        requests = [Request(str(i), [1], params, tok.eos_token_id, grammar=g)
+                    for i, g in enumerate(manager.request_grammars(params, ROWS))]
+        for r in requests:
+            for t in tok.encode(text, add_special_tokens=False):
+                r.append_output_token(t)
+                r.grammar.accept(t, r.num_output_tokens)
         mask = manager.grammar_bitmask(requests)
-    t1 = time.perf_counter()
-    for _ in range(REPEATS):
-        logits.clone()
-    t2 = time.perf_counter()
-    for _ in range(REPEATS):
-        apply_grammar_bitmask(logits.clone(), mask)
-    t3 = time.perf_counter()
-    clone = (t2 - t1) / REPEATS
-    print(f"fill {ROWS} rows: {(t1 - t0) / REPEATS * 1e3:.2f} ms; apply to [{ROWS}, {VOCAB}]: "
-          f"{((t3 - t2) / REPEATS - clone) * 1e3:.2f} ms; the sampler's copy of the logits "
-          f"(made whenever a row is processed): {clone * 1e3:.2f} ms")
+        allowed = int(sum(bin(w & 0xFFFFFFFF).count("1") for w in mask.bitmask[0].tolist()))
+        fill = _ms(lambda _: manager.grammar_bitmask(requests))
+        ours = _ms(lambda x: apply_grammar_bitmask(x, mask), logits.clone)
+        theirs = _ms(lambda x: xgr.apply_token_bitmask_inplace(x, mask.bitmask), logits.clone)
+        print(f"  {state} ({allowed} tokens allowed): fill {fill:.2f} ms; apply: ours "
+              f"{ours:.2f} ms, xgrammar's {theirs:.2f} ms")
+    print(f"  the sampler's copy of the logits (made whenever a row is processed): "
+          f"{_ms(lambda _: logits.clone()):.2f} ms")
 
 
 if __name__ == "__main__":
