@@ -43,6 +43,8 @@ CASES = [
     ([7, 3], [0, 13], 8, 1, 32, 16, 5),  # prefill only, MQA, window
     ([1], [37], 9, 3, 64, 16, None),  # a lone decode: the kernel splits it by KV head
     ([1], [50], 4, 2, 32, 4, 8),  # ... with a window
+    ([1, 1, 2], [150, 67, 90], 9, 3, 64, 16, 100),  # several 64-key tiles, ragged tails
+    ([1, 1, 3], [200, 9, 70], 8, 2, 128, 16, None),  # head size 128
 ]
 
 

@@ -12,10 +12,13 @@
 // Query row i of sequence s sits at position seq_len - q_len + i and sees keys at
 // positions p with p <= pos and (window == 0 or p > pos - window).
 //
-// Softmax is computed online over key tiles of one block (Milakov & Gimelshein 2018,
-// "Online normalizer calculation for softmax"): each tile's scores are computed for all
-// query heads of the group, the running max and sum are rescaled once per tile, then V is
-// accumulated.
+// Softmax is computed online over tiles of 64 keys, across blocks (Milakov & Gimelshein
+// 2018, "Online normalizer calculation for softmax"): per tile and query head, the scores
+// (eight keys at a time, their horizontal sums sharing shuffles), one rescale of the running
+// max and sum, then V. A decode step reads every layer's context from DRAM once, and the
+// blocks are scattered over pages the hardware prefetcher does not follow, so the next
+// tile's rows are prefetched while this one computes. Head sizes 64 and 128 get
+// register-blocked loops; other sizes take plain loops the compiler vectorizes.
 // All arithmetic is float32 whatever the storage dtype.
 
 #include <torch/extension.h>
@@ -23,69 +26,178 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
+// Keys per online-softmax tile (across blocks): the max/exp/rescale work of a tile is
+// shared by this many keys.
+constexpr int64_t kTileKeys = 64;
 
+// 8 floats: one AVX2 register (the compiler splits or fuses it for other widths).
+typedef float v8f __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+  v8f x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline float sum8(v8f x) {
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += x[i];
+  return s;
+}
+
+// Pointers to a tile's K (or V) rows of these KV heads as float32: float storage is read
+// in place, other dtypes are converted into `buf` (n rows of `width` floats).
 template <typename scalar_t>
+void tile_rows(const scalar_t* base, const int64_t* table, int64_t start, int64_t n,
+               int64_t block_size, int64_t token_stride, int64_t width, float* buf,
+               const float** rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = start + j;
+    const scalar_t* src = base + (table[pos / block_size] * block_size + pos % block_size) * token_stride;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      rows[j] = src;
+    } else {
+      for (int64_t c = 0; c < width; ++c) buf[j * width + c] = static_cast<float>(src[c]);
+      rows[j] = buf + j * width;
+    }
+  }
+}
+
+// [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7] (AVX's vhaddps).
+inline v8f hadd(v8f a, v8f b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+// [sum(x[0]), ..., sum(x[7])]: eight horizontal sums in seven shuffle-adds, not 8 x 3.
+inline v8f sum8x8(const v8f* x) {
+  const v8f lo4 = hadd(hadd(x[0], x[1]), hadd(x[2], x[3]));
+  const v8f hi4 = hadd(hadd(x[4], x[5]), hadd(x[6], x[7]));
+  return __builtin_shufflevector(lo4, hi4, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(lo4, hi4, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// scores[j] = q . (rows[j] + offset) for a head of D = 8 * kChunks floats, eight keys at a
+// time so that their horizontal sums share shuffles.
+template <int kChunks>
+inline void dot_keys(const float* q, const float* const* rows, int64_t offset, int64_t n,
+                     float* scores) {
+  v8f qv[kChunks];
+  for (int c = 0; c < kChunks; ++c) qv[c] = load8(q + 8 * c);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    v8f acc[8];
+    for (int i = 0; i < 8; ++i) {
+      const float* k = rows[j + i] + offset;
+      acc[i] = qv[0] * load8(k);
+      for (int c = 1; c < kChunks; ++c) acc[i] += qv[c] * load8(k + 8 * c);
+    }
+    const v8f sums = sum8x8(acc);
+    std::memcpy(scores + j, &sums, sizeof(sums));
+  }
+  for (; j < n; ++j) {
+    const float* k = rows[j] + offset;
+    v8f acc = qv[0] * load8(k);
+    for (int c = 1; c < kChunks; ++c) acc += qv[c] * load8(k + 8 * c);
+    scores[j] = sum8(acc);
+  }
+}
+
+// acc[0:D] += sum_j p[j] * (rows[j] + offset)[0:D] for D = 8 * kChunks; the accumulator
+// stays in registers across the keys.
+template <int kChunks>
+inline void accumulate_v(float* acc, const float* p, const float* const* rows, int64_t offset,
+                         int64_t n) {
+  v8f a[kChunks];
+  for (int c = 0; c < kChunks; ++c) a[c] = load8(acc + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = rows[j] + offset;
+    const float pj = p[j];
+    for (int c = 0; c < kChunks; ++c) a[c] += pj * load8(v + 8 * c);
+  }
+  for (int c = 0; c < kChunks; ++c) std::memcpy(acc + 8 * c, &a[c], sizeof(v8f));
+}
+
+// The same for any D (the compiler vectorizes the loops over it).
+inline void dot_keys_any(const float* q, const float* const* rows, int64_t offset, int64_t n,
+                         int64_t D, float* scores) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = rows[j] + offset;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+    scores[j] = dot;
+  }
+}
+
+inline void accumulate_v_any(float* acc, const float* p, const float* const* rows,
+                             int64_t offset, int64_t n, int64_t D) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = rows[j] + offset;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * v[d];
+  }
+}
+
+// kD: the head size when it is 64 or 128 (register-blocked loops), else 0 (any size).
+template <typename scalar_t, int kD>
 void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, these heads
                 const scalar_t* k_base, const scalar_t* v_base,  // at the first KV head
                 const int64_t* table, int64_t lo, int64_t hi,  // keys [lo, hi)
                 int64_t block_size, int64_t token_stride, int64_t kv_heads, int64_t group,
-                int64_t D, float scale, scalar_t* out) {
-  // A tile's K and V rows (these KV heads of a token, contiguous) are read once, in order,
-  // and each KV head serves the `group` query heads that share it (GQA).
-  const int64_t num_heads = kv_heads * group, row_size = kv_heads * D;
+                int64_t head_dim, float scale, scalar_t* out) {
+  // Per tile and query head: its scores against the tile's keys, the online-softmax
+  // rescale, then its V accumulation; the `group` query heads that share a KV head (GQA)
+  // read its rows from L1.
+  const int64_t D = kD > 0 ? kD : head_dim;
+  const int64_t num_heads = kv_heads * group, width = kv_heads * D;
   std::vector<float> qf(num_heads * D), acc(num_heads * D, 0.f);
   std::vector<float> m(num_heads, -INFINITY), l(num_heads, 0.f);
-  std::vector<float> scores(num_heads * block_size), row(row_size);
-  for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = to_float(q[i]) * scale;
+  std::vector<float> kbuf(std::is_same_v<scalar_t, float> ? 0 : kTileKeys * width);
+  std::vector<float> vbuf(kbuf.size());
+  float scores[kTileKeys];
+  const float* krows[kTileKeys];
+  const float* vrows[kTileKeys];
+  for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
 
-  for (int64_t tile = lo - lo % block_size; tile < hi; tile += block_size) {
-    const int64_t block = table[tile / block_size];
-    const int64_t start = std::max(tile, lo), end = std::min(tile + block_size, hi);
-    const int64_t n = end - start;
-    const scalar_t* k_blk = k_base + (block * block_size + start - tile) * token_stride;
-    const scalar_t* v_blk = v_base + (block * block_size + start - tile) * token_stride;
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t c = 0; c < row_size; ++c) row[c] = to_float(k_blk[j * token_stride + c]);
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const float* qh = qf.data() + h * D;
-        const float* kh = row.data() + (h / group) * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
-        scores[h * block_size + j] = dot;
+  for (int64_t start = lo; start < hi; start += kTileKeys) {
+    const int64_t n = std::min(kTileKeys, hi - start);
+    tile_rows(k_base, table, start, n, block_size, token_stride, width, kbuf.data(), krows);
+    tile_rows(v_base, table, start, n, block_size, token_stride, width, vbuf.data(), vrows);
+    // The next tile's rows are on other pages (blocks are scattered), where the hardware
+    // prefetcher does not follow: ask for them while this tile computes.
+    for (int64_t pos = start + kTileKeys; pos < std::min(start + 2 * kTileKeys, hi); ++pos) {
+      const int64_t row = (table[pos / block_size] * block_size + pos % block_size) * token_stride;
+      for (int64_t c = 0; c < width; c += 64 / static_cast<int64_t>(sizeof(scalar_t))) {
+        __builtin_prefetch(k_base + row + c, 0, 1);
+        __builtin_prefetch(v_base + row + c, 0, 1);
       }
     }
     for (int64_t h = 0; h < num_heads; ++h) {
-      float* p = scores.data() + h * block_size;
-      const float new_max = std::max(m[h], *std::max_element(p, p + n));
-      const float correction = std::exp(m[h] - new_max);
+      const int64_t offset = h / group * D;
+      float* acc_h = acc.data() + h * D;
+      if constexpr (kD > 0) dot_keys<kD / 8>(qf.data() + h * D, krows, offset, n, scores);
+      else dot_keys_any(qf.data() + h * D, krows, offset, n, D, scores);
+      float new_max = m[h];
+      for (int64_t j = 0; j < n; ++j) new_max = new_max > scores[j] ? new_max : scores[j];
       float sum = 0.f;
       for (int64_t j = 0; j < n; ++j) {
-        p[j] = std::exp(p[j] - new_max);
-        sum += p[j];
+        scores[j] = std::exp(scores[j] - new_max);
+        sum += scores[j];
       }
+      const float correction = std::exp(m[h] - new_max);
       l[h] = l[h] * correction + sum;
       m[h] = new_max;
-      if (correction != 1.f) {
-        float* acc_h = acc.data() + h * D;
+      if (correction != 1.f)
         for (int64_t d = 0; d < D; ++d) acc_h[d] *= correction;
-      }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t c = 0; c < row_size; ++c) row[c] = to_float(v_blk[j * token_stride + c]);
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const float p = scores[h * block_size + j];
-        const float* vh = row.data() + (h / group) * D;
-        float* acc_h = acc.data() + h * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc_h[d] += p * vh[d];
-      }
+      if constexpr (kD > 0) accumulate_v<kD / 8>(acc_h, scores, vrows, offset, n);
+      else accumulate_v_any(acc_h, scores, vrows, offset, n, D);
     }
   }
   for (int64_t h = 0; h < num_heads; ++h) {
@@ -133,9 +245,12 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
         const int64_t pos = lens[s] - q_len + (t - starts[s]);
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         const int64_t head = t * num_heads + g * group;
-        attend_row<scalar_t>(q + head * D, k_base + g * D, v_base + g * D,
-                             tables + s * max_blocks, lo, pos + 1, block_size, kv_heads * D,
-                             part_heads, group, D, static_cast<float>(scale), o + head * D);
+        auto attend = D == 64    ? attend_row<scalar_t, 64>
+                      : D == 128 ? attend_row<scalar_t, 128>
+                                 : attend_row<scalar_t, 0>;
+        attend(q + head * D, k_base + g * D, v_base + g * D, tables + s * max_blocks, lo,
+               pos + 1, block_size, kv_heads * D, part_heads, group, D,
+               static_cast<float>(scale), o + head * D);
       }
     });
   });
