@@ -100,11 +100,12 @@ inline float hsum(__m256 v) {
 }
 
 // out[m * ldo] = dot(x[m * K ...], row) for m < MT: each block is dequantized once for
-// all MT rows of x. A block's four products are summed pairwise before joining the
-// accumulator, so the loop-carried chain is one add per block (not four FMAs); the
-// multiplies use the FMA ports and the adds the separate FP add ports (Zen, Intel alike).
+// all MT rows of x. A block's products are summed before joining the accumulator, so the
+// loop-carried chain is one add per block (not one FMA per vector); the multiplies use
+// the FMA ports and the adds the separate FP add ports (Zen, Intel alike). The same loop
+// twice: with 16-wide vectors where the CPU has AVX-512 (a block is two vectors), else
+// with 8-wide ones (four, summed pairwise).
 #ifdef __AVX512F__
-// The same with 16-wide vectors where the CPU has AVX-512: a block is two vectors.
 template <typename Format, int MT>
 void dot_row(const uint8_t* row, const float* x, int64_t K, float* out, int64_t ldo) {
   __m512 acc[MT];
