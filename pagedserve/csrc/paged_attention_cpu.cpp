@@ -51,6 +51,12 @@ inline float sum8(v8f x) {
   return s;
 }
 
+// Offset (elements) of key position `pos`'s row in the cache, through the block table.
+inline int64_t key_row(const int64_t* table, int64_t pos, int64_t block_size,
+                       int64_t token_stride) {
+  return (table[pos / block_size] * block_size + pos % block_size) * token_stride;
+}
+
 // Pointers to a tile's K (or V) rows of these KV heads as float32: float storage is read
 // in place, other dtypes are converted into `buf` (n rows of `width` floats).
 template <typename scalar_t>
@@ -59,7 +65,7 @@ void tile_rows(const scalar_t* base, const int64_t* table, int64_t start, int64_
                const float** rows) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = start + j;
-    const scalar_t* src = base + (table[pos / block_size] * block_size + pos % block_size) * token_stride;
+    const scalar_t* src = base + key_row(table, pos, block_size, token_stride);
     if constexpr (std::is_same_v<scalar_t, float>) {
       rows[j] = src;
     } else {
@@ -173,7 +179,7 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
     // The next tile's rows are on other pages (blocks are scattered), where the hardware
     // prefetcher does not follow: ask for them while this tile computes.
     for (int64_t pos = start + kTileKeys; pos < std::min(start + 2 * kTileKeys, hi); ++pos) {
-      const int64_t row = (table[pos / block_size] * block_size + pos % block_size) * token_stride;
+      const int64_t row = key_row(table, pos, block_size, token_stride);
       for (int64_t c = 0; c < width; c += 64 / static_cast<int64_t>(sizeof(scalar_t))) {
         __builtin_prefetch(k_base + row + c, 0, 1);
         __builtin_prefetch(v_base + row + c, 0, 1);
