@@ -73,10 +73,11 @@ def hf_model(model_path):
 
 @pytest.fixture(scope="session")
 def llm():
-    """One float32 engine on the bundled model, shared by the end-to-end tests."""
+    """One exact float32 engine on the bundled model (GGUF weights dequantized, no 8-bit
+    activations: token for token as transformers), shared by the end-to-end tests."""
     from pagedserve import LLM
 
-    return LLM(dtype="float32", kv_cache_memory_bytes=512 << 20)
+    return LLM(dtype="float32", quantization="none", kv_cache_memory_bytes=512 << 20)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,11 @@
-"""GGUF Q4_1/Q8_0 kernels (torch.ops.pagedserve.ggml_mul_mat) and their use by the model:
-the kernel against F.linear on weights dequantized by gguf-py, the blocks the loader keeps
-against the dequantized weights, and the engine's greedy tokens against the float32 path."""
+"""GGUF Q4_1/Q8_0 kernels (torch.ops.pagedserve.ggml_mul_mat_a8) and their use by the
+model: the kernel against an independent reference (activations rounded to 8 bits per block
+of 32, times the weights dequantized by gguf-py), the blocks the loader keeps against the
+dequantized weights, and the engine's accuracy against the exact float32 path."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -26,6 +29,7 @@ from pagedserve.models.quant import (
     GGUFWeight,
     Linear,
     linear,
+    repack_blocks,
     use_gguf_kernels,
 )
 
@@ -48,20 +52,56 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
+def a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with each block of 32 rounded to 8 bits (d = max|x| / 127, q =
+    round_half_even(x * (1 / d)), all in float32, as llama.cpp's block_q8_1 with float
+    scales), times weight [N, K]^T, in float64."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
+    rounded = (torch.round(blocks * inv) * d).reshape(x.shape)
+    return F.linear(rounded.double(), weight.double())
+
+
+def kernel(blocks: np.ndarray, x: torch.Tensor, qtype: Q) -> torch.Tensor:
+    return load_cpu_ops().ggml_mul_mat_a8(repack_blocks(torch.from_numpy(blocks), qtype), x,
+                                          int(qtype))
+
+
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)
-@pytest.mark.parametrize("n, k", [(1, 32), (37, 96), (200, 576), (67, 1536)])
-def test_kernel_matches_dequantized_linear(qtype, n, k):
+@pytest.mark.parametrize("n, k", [(1, 64), (37, 128), (200, 576), (67, 1536), (5, 320), (9, 384)])
+def test_kernel_matches_8bit_activation_reference(qtype, n, k):
+    """Every group shape of the layout (whole groups of 8 blocks, last groups of 2, 4 and
+    6), every row count of a pass (1-8) and several passes; a row of zeros too."""
     rng = np.random.default_rng(n * k)
     blocks = random_blocks(qtype, n, k, rng)
-    weight = torch.from_numpy(dequantize(blocks, qtype).copy())  # gguf-py: the reference
-    ops = load_cpu_ops()
+    weight = torch.from_numpy(dequantize(blocks, qtype).copy())  # gguf-py
     for m in (1, 2, 3, 5, 8, 9, 16, 19):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        out = ops.ggml_mul_mat(torch.from_numpy(blocks), x, int(qtype))
-        exact = F.linear(x.double(), weight.double())
+        if m > 1:
+            x[m // 2] = 0
+        out = kernel(blocks, x, qtype)
         assert out.shape == (m, n) and out.dtype == torch.float32
-        # float32 summation-order rounding only: no worse than MKL's own float32 result
-        assert rel_err(out, exact) < max(4 * rel_err(F.linear(x, weight), exact), 2e-6)
+        if m > 1:
+            assert torch.equal(out[m // 2], torch.zeros(n))
+        # the integer sums are exact: float32 summation-order rounding only
+        assert rel_err(out, a8_reference(x, weight)) < 2e-6
+        # and x's rounding moves each output by at most sum |w| * (half a step of x's block)
+        half_step = (x.reshape(m, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 32)
+        bound = F.linear(half_step.reshape(m, k).double(), weight.double().abs())
+        assert ((out - F.linear(x.double(), weight.double())).abs() <= bound * 1.001 + 1e-6).all()
+
+
+def test_repacked_blocks_hold_the_same_bytes_per_group():
+    """A row of 10 Q4_1 blocks: a group of 8 (8 scales, 8 mins, 8 x 16 quant bytes), then
+    one of 2."""
+    rows = torch.arange(2 * 10 * 20, dtype=torch.int32).remainder(251).to(torch.uint8).view(2, 200)
+    packed = repack_blocks(rows, Q.Q4_1)
+    blocks = rows.view(2, 10, 20)
+    expected = torch.cat([blocks[:, :8, 0:2].reshape(2, -1), blocks[:, :8, 2:4].reshape(2, -1),
+                          blocks[:, :8, 4:].reshape(2, -1), blocks[:, 8:, 0:2].reshape(2, -1),
+                          blocks[:, 8:, 2:4].reshape(2, -1), blocks[:, 8:, 4:].reshape(2, -1)], 1)
+    assert torch.equal(packed, expected)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)
@@ -75,23 +115,27 @@ def test_kernel_rejects_bad_inputs():
     ops = load_cpu_ops()
     blocks = torch.from_numpy(random_blocks(Q.Q8_0, 4, 64, np.random.default_rng(0)))
     with pytest.raises(RuntimeError, match="qweight_type"):
-        ops.ggml_mul_mat(blocks, torch.randn(1, 64), int(Q.Q4_0))
+        ops.ggml_mul_mat_a8(blocks, torch.randn(1, 64), int(Q.Q4_0))
     with pytest.raises(RuntimeError, match="columns"):
-        ops.ggml_mul_mat(blocks, torch.randn(1, 96), int(Q.Q8_0))
+        ops.ggml_mul_mat_a8(blocks, torch.randn(1, 96), int(Q.Q8_0))
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ops.ggml_mul_mat_a8(torch.from_numpy(random_blocks(Q.Q8_0, 4, 96, np.random.default_rng(0))),
+                            torch.randn(1, 96), int(Q.Q8_0))
     with pytest.raises(RuntimeError, match="float32"):
-        ops.ggml_mul_mat(blocks, torch.randn(1, 64, dtype=torch.float64), int(Q.Q8_0))
+        ops.ggml_mul_mat_a8(blocks, torch.randn(1, 64, dtype=torch.float64), int(Q.Q8_0))
 
 
 def test_linear_uses_blocks_up_to_max_rows_only():
-    """With a float weight of zeros, only the rows computed from the blocks are non-zero."""
+    """With a float weight of zeros, only the rows computed from the blocks are non-zero
+    (rows of ones round to 8 bits exactly)."""
     rng = np.random.default_rng(1)
-    quant = GGUFWeight(torch.from_numpy(random_blocks(Q.Q4_1, 40, 64, rng)), Q.Q4_1)
+    blocks = random_blocks(Q.Q4_1, 40, 64, rng)
+    quant = GGUFWeight(repack_blocks(torch.from_numpy(blocks), Q.Q4_1), Q.Q4_1)
     layer = Linear(64, 40, bias=True)
     torch.nn.init.zeros_(layer.weight)
     torch.nn.init.normal_(layer.bias)
     layer.quant = quant
-    expected = F.linear(torch.ones(1, 64), torch.from_numpy(dequantize(quant.qweight.numpy(),
-                                                                        Q.Q4_1).copy()))
+    expected = F.linear(torch.ones(1, 64), torch.from_numpy(dequantize(blocks, Q.Q4_1).copy()))
     with torch.no_grad():
         small = layer(torch.ones(MAX_ROWS, 64))
         large = layer(torch.ones(MAX_ROWS + 1, 64))
@@ -104,15 +148,15 @@ def test_linear_uses_blocks_up_to_max_rows_only():
 def test_linear_from_blocks_in_half_precision(dtype):
     """bfloat16 / float16 rows (a half-precision model's small steps) are multiplied by the
     blocks in float32 and come back in their own dtype, within that dtype's rounding of the
-    exact product (the weights dequantized by gguf-py)."""
+    reference product."""
     rng = np.random.default_rng(2)
-    blocks = random_blocks(Q.Q4_1, 48, 96, rng)
-    quant = GGUFWeight(torch.from_numpy(blocks), Q.Q4_1)
-    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
-    out = linear(x, torch.zeros(48, 96, dtype=dtype), None, quant)
-    exact = F.linear(x.double(), torch.from_numpy(dequantize(blocks, Q.Q4_1).copy()).double())
+    blocks = random_blocks(Q.Q4_1, 48, 128, rng)
+    quant = GGUFWeight(repack_blocks(torch.from_numpy(blocks), Q.Q4_1), Q.Q4_1)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = linear(x, torch.zeros(48, 128, dtype=dtype), None, quant)
+    reference = a8_reference(x, torch.from_numpy(dequantize(blocks, Q.Q4_1).copy()))
     assert out.dtype == dtype and out.shape == (5, 48)
-    assert rel_err(out, exact) < torch.finfo(dtype).eps
+    assert rel_err(out, reference) < torch.finfo(dtype).eps
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs PyTorch's MKL")
@@ -137,11 +181,11 @@ def test_packed_weights_equal_f_linear_bit_for_bit():
     assert linear(big, weight, None, packed=packed_zeros).abs().sum() > 0  # autograd on
 
 
-def test_model_weights_are_packed_in_float32_only(llm, llm_fp32):
+def test_model_weights_are_packed_in_float32_only(llm, llm_gguf):
     assert quant_module.packing_available("cpu", torch.float32)
     assert not quant_module.packing_available("cpu", torch.bfloat16)
     assert not quant_module.packing_available("cuda", torch.float32)
-    for engine in (llm, llm_fp32):
+    for engine in (llm, llm_gguf):
         model = engine.engine.model
         layers = [m for m in model.modules() if isinstance(m, Linear)]
         assert all(m.packed is not None for m in layers)
@@ -199,10 +243,17 @@ def test_loader_blocks_dequantize_to_loaded_weights(model_path):
                                        rtol=0, atol=0)
 
 
-def test_model_layers_carry_their_blocks(llm):
+@pytest.fixture(scope="module")
+def llm_gguf():
+    """The default engine on the bundled model in float32: GGUF block kernels for steps of
+    up to MAX_ROWS tokens."""
+    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+
+
+def test_model_layers_carry_their_blocks(llm_gguf):
     """Every Linear (fused q/k/v and gate/up included) and the tied head computes, from its
-    blocks, what F.linear computes from its float32 weight."""
-    model = llm.engine.model
+    blocks, the reference product with its float32 weight; the exact engine has none."""
+    model = llm_gguf.engine.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(layers) == 4 * 30 and all(m.quant is not None for m in layers)
     heads = [(m.weight, m.quant) for m in layers[:4]]
@@ -211,20 +262,29 @@ def test_model_layers_carry_their_blocks(llm):
     for weight, quant in heads:
         weight = weight.detach()
         x = torch.randn(3, weight.shape[1])
-        out = ops.ggml_mul_mat(quant.qweight, x, int(quant.qtype))
-        assert rel_err(out, F.linear(x.double(), weight.double())) < 1e-5
+        out = ops.ggml_mul_mat_a8(quant.qweight, x, int(quant.qtype))
+        assert rel_err(out, a8_reference(x, weight)) < 1e-5
 
 
-@pytest.fixture(scope="module")
-def llm_fp32():
-    return LLM(dtype="float32", quantization="none", max_model_len=1024,
-               kv_cache_memory_bytes=256 << 20)
+def test_kernels_stay_close_to_the_exact_path(llm, llm_gguf, chat_prompts, monkeypatch):
+    """The 8-bit activations' cost in accuracy, teacher-forced: the chat prompts and the
+    exact engine's 32 greedy tokens after each, scored by both engines (every step through
+    the block kernels: MAX_ROWS raised). Measured: mean |logprob difference| 0.061, max 0.54,
+    perplexity -1.4% (benchmarks/quant_accuracy.py has the held-out figures)."""
+    assert llm.engine.model.tied_lm_head_quant is None
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ref = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], greedy, use_tqdm=False)
+    seqs = [p + o.outputs[0].token_ids for p, o in zip(chat_prompts, ref)]
+    score = SamplingParams(max_tokens=1, prompt_logprobs=0)
 
+    def logprobs(engine):
+        outs = engine.generate([{"prompt_token_ids": s} for s in seqs], score, use_tqdm=False)
+        return torch.tensor([o.prompt_logprobs[i][s[i]].logprob
+                             for o, s in zip(outs, seqs) for i in range(1, len(s))])
 
-def test_quantized_greedy_equals_float32_path(llm, llm_fp32, chat_prompts):
-    assert llm_fp32.engine.model.tied_lm_head_quant is None
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    for prompt in chat_prompts[:3]:
-        ours, ref = (e.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-                     for e in (llm, llm_fp32))
-        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+    exact = logprobs(llm)
+    monkeypatch.setattr(quant_module, "MAX_ROWS", 1 << 20)
+    ours = logprobs(llm_gguf)
+    diff = (ours - exact).abs()
+    assert float(diff.mean()) < 0.15 and float(diff.max()) < 1.5
+    assert abs(math.exp(float(exact.mean() - ours.mean())) - 1) < 0.02  # perplexity ratio

@@ -22,6 +22,7 @@ from pagedserve.distributed.sharding import make_tensor_parallel, shard_config, 
 from pagedserve.engine.args import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
 from pagedserve.engine.timeline import StepTimeline
+from pagedserve.models.cpu_decode import CpuDecodeLayers
 from pagedserve.models.gguf_loader import iter_gguf_blocks
 from pagedserve.models.int8 import quantize_model
 from pagedserve.models.loader import iter_weights, load_config, resolve_model_path
@@ -92,6 +93,7 @@ def load_model(args: EngineArgs, hf_config, model_path, device: str, dtype: torc
             count = attach_gguf_weights(model, iter_gguf_blocks(model_path, KERNEL_TYPES))
             logger.info("%d weights also kept as GGUF blocks for steps of <= %d tokens",
                         count, MAX_ROWS)
+            model.cpu_decode = CpuDecodeLayers.build(model)
     else:
         raise ValueError(f"load_format must be auto or dummy; got {args.load_format!r}")
     inner = model if group is None else model.model

@@ -210,6 +210,7 @@ class LlamaForCausalLM(nn.Module):
         # tied head (embed_tokens.weight)
         self.tied_lm_head_quant: GGUFWeight | Int8Weight | None = None
         self.tied_lm_head_packed: torch.Tensor | None = None  # quant.pack_weight
+        self.cpu_decode = None  # cpu_decode.CpuDecodeLayers, set by the loader where it applies
 
     # -- what families override ---------------------------------------------------------
 
@@ -252,6 +253,8 @@ class LlamaForCausalLM(nn.Module):
             # a CPU scalar: no host-to-device copy, which CUDA graph capture forbids
             scale = torch.tensor(self.embed_scale, dtype=hidden.dtype)
             hidden = hidden * scale
+        if self.cpu_decode is not None and self.cpu_decode.applies(hidden, meta):
+            return self.norm(self.cpu_decode(positions, hidden, kv_caches, meta))
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(positions, hidden, kv_cache, meta)
         return self.norm(hidden)

@@ -1,17 +1,20 @@
 """Linear layers on CPU. GGUF-quantized weights stored as Q4_1 or Q8_0 keep their GGUF
-blocks, and steps with few tokens multiply by the blocks directly
-(``torch.ops.pagedserve.ggml_mul_mat``, ``csrc/gguf_gemm_cpu.cpp``), as vLLM's GGUF support
-does (``vllm/model_executor/layers/quantization/gguf.py``).
+blocks, and steps with few tokens multiply by the blocks directly, with 8-bit activations
+(``torch.ops.pagedserve.ggml_mul_mat_a8``, ``csrc/gguf_gemm_cpu.cpp``), as llama.cpp's CPU
+backend and vLLM's GGUF kernels (``ggml_mul_mat_vec_a8``) do.
 
 Why: at batch 1 a decode step is bound by reading the weights, and the blocks are 3.2x
-(Q8_0) to 6.4x (Q4_1) smaller than float32. The kernel's weights are exactly
-``gguf.quants.dequantize``'s, so results equal the float32 path up to summation order.
-Steps of more than ``MAX_ROWS`` tokens (prefill, large batches) run MKL on the float32
-weights, which layers keep as well.
+(Q8_0) to 6.4x (Q4_1) smaller than float32; integer dot products on 8-bit activations
+keep the kernel at the memory's pace where dequantizing to float32 did not (a lone request's
+weight reads went 12.5 -> 8 ms a token). The price is the activations' rounding to 8 bits
+per block of 32: not token-exact with float32 (``benchmarks/README.md`` gives perplexity
+and greedy agreement). Steps of more than ``MAX_ROWS`` tokens (prefill, large batches) run
+MKL on the float32 weights, which layers keep as well.
 
 On by default for GGUF models on CPU, in any dtype (``--quantization`` unset or ``gguf``);
-``--quantization none`` computes from dequantized float32 weights only; ``--quantization
-int8`` replaces the weights by int8 ones instead (``int8.py``, any checkpoint, CPU only).
+``--quantization none`` computes from dequantized float32 weights only (exact);
+``--quantization int8`` replaces the weights by int8 ones instead (``int8.py``, any
+checkpoint, CPU only).
 
 Weights wider than ``COLUMN_CHUNK`` output features (an MLP's fused gate/up, the LM head)
 are multiplied on CPU in slices of that many output columns, each written into its place
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from pagedserve.models.int8 import Int8Weight, int8_linear
@@ -47,13 +50,34 @@ QUANTIZATION_CHOICES = ("gguf", "int8", "none")
 COLUMN_CHUNK = 2048
 
 
+# Bytes of one block's fields: (start, stop) of the scale d, the min m (Q4_1), the quants.
+_BLOCK_FIELDS = {GGMLQuantizationType.Q4_1: ((0, 2), (2, 4), (4, 20)),
+                 GGMLQuantizationType.Q8_0: ((0, 2), (2, 34))}
+_GROUP = 8  # blocks per group in the kernel's layout
+
+
 @dataclass(frozen=True)
 class GGUFWeight:
     """A weight ``[N, K]`` as GGUF blocks: ``qweight`` uint8 ``[N, K / 32 * type_size]``
-    (row n = the blocks of output row n), ``qtype`` one of ``KERNEL_TYPES``."""
+    (row n = the blocks of output row n, in the kernel's order: ``repack_blocks``),
+    ``qtype`` one of ``KERNEL_TYPES``."""
 
     qweight: torch.Tensor
     qtype: GGMLQuantizationType
+
+
+def repack_blocks(rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """GGUF rows uint8 ``[N, K / 32 * type_size]`` (K a multiple of 64) reordered for
+    ``ggml_mul_mat_a8``: each row's blocks in groups of 8 (the last may be shorter), a group
+    as its scales d, then (Q4_1) its mins m, then its quants. The same bytes, moved so that
+    one load gives a group's scales (layout: ``csrc/gguf_gemm_cpu.cpp``)."""
+    n = rows.shape[0]
+    blocks = rows.view(n, -1, GGML_QUANT_SIZES[qtype][1])
+    parts = []
+    for start in range(0, blocks.shape[1], _GROUP):
+        group = blocks[:, start : start + _GROUP]
+        parts += [group[:, :, a:b].reshape(n, -1) for a, b in _BLOCK_FIELDS[qtype]]
+    return torch.cat(parts, dim=1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -73,10 +97,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed, weight, bias, rows)
         return out.view(*x.shape[:-1], -1)
     if quant is not None and rows <= MAX_ROWS:
-        # The kernel computes in float32; bfloat16 / float16 rows are few here, so converting
+        # The kernel takes float32; bfloat16 / float16 rows are few here, so converting
         # them costs little next to reading the weights (a no-op in float32).
-        out = torch.ops.pagedserve.ggml_mul_mat(quant.qweight, x.reshape(rows, -1).float(),
-                                                int(quant.qtype)).to(x.dtype)
+        out = torch.ops.pagedserve.ggml_mul_mat_a8(quant.qweight, x.reshape(rows, -1).float(),
+                                                   int(quant.qtype)).to(x.dtype)
     elif weight.shape[0] > COLUMN_CHUNK and weight.is_cpu and not torch.is_grad_enabled():
         out = column_chunked_mm(x.reshape(rows, -1), weight)
     else:
@@ -174,12 +198,13 @@ def use_gguf_kernels(quantization: str | None, model_path: pathlib.Path, device:
 
 def attach_gguf_weights(model: nn.Module,
                         blocks: Iterable[tuple[str, GGMLQuantizationType, torch.Tensor]]) -> int:
-    """Give each ``Linear`` of ``model``, and its tied LM head, the GGUF blocks of its weight.
+    """Give each ``Linear`` of ``model``, and its tied LM head, the GGUF blocks of its weight
+    (``repack_blocks``).
 
     ``blocks`` holds (HF name, type, rows) as ``gguf_loader.iter_gguf_blocks`` yields them.
     A fused layer (qkv_proj, gate_up_proj) gets its checkpoint tensors' rows concatenated in
-    ``model.checkpoint_names`` order, only if all are there with one type. Returns the number
-    of weights attached.
+    ``model.checkpoint_names`` order, only if all are there with one type and the kernel
+    takes their width (a multiple of 64). Returns the number of weights attached.
     """
     found = {name.removeprefix("model.").removesuffix(".weight"): (qtype, rows)
              for name, qtype, rows in blocks}
@@ -199,4 +224,9 @@ def _concat_rows(found: dict[str, tuple[GGMLQuantizationType, torch.Tensor]],
     parts = [found.get(n) for n in names]
     if any(p is None for p in parts) or len({qtype for qtype, _ in parts}) != 1:
         return None
-    return GGUFWeight(torch.cat([rows for _, rows in parts]), parts[0][0])
+    qtype = parts[0][0]
+    rows = torch.cat([rows for _, rows in parts])
+    width = rows.shape[1] // GGML_QUANT_SIZES[qtype][1] * GGML_QUANT_SIZES[qtype][0]
+    if width % 64:
+        return None
+    return GGUFWeight(repack_blocks(rows, qtype), qtype)

@@ -1,0 +1,88 @@
+"""The decoder layers of a Llama-family model in one C++ call for decode steps of few
+tokens on CPU (``torch.ops.pagedserve.llama_decode_layers``, ``csrc/decode_layers_cpu.cpp``).
+
+Why: a lone request's decode step on CPU spent as long in Python (module calls, views,
+~25 op dispatches a layer) as in reading its 4-bit weights. The C++ call runs the same
+kernels in the same order, so its result is bit-equal to the Python layers (tested); it is
+the CPU's counterpart of replaying a captured CUDA graph for decodes.
+
+It applies to models whose every layer is a plain ``LlamaDecoderLayer`` (RMSNorm, no
+biases, no q/k norm, full-width neox rotary, SiLU) with GGUF block weights on all four
+projections (``quant.attach_gguf_weights``), in float32, with the C++ attention backend;
+and to steps of at most ``quant.MAX_ROWS`` tokens that are all decodes. Other models and
+steps run the Python layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention import AttentionMetadata
+from pagedserve.attention.cpu_attn import CpuAttention
+from pagedserve.models import quant
+from pagedserve.models.layers import RMSNorm
+
+
+class CpuDecodeLayers:
+    """A model's layer weights gathered for ``llama_decode_layers``; ``build`` makes one
+    when the model qualifies (see the module docstring)."""
+
+    def __init__(self, model) -> None:
+        attn = model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_dim, self.scale = attn.head_dim, attn.attn.scale
+        self.eps = model.layers[0].input_layernorm.eps
+        self.rotary = attn.rotary
+        self.weights: list[torch.Tensor] = []
+        self.qtypes: list[int] = []
+        self.windows = [layer.self_attn.attn.sliding_window or 0 for layer in model.layers]
+        for layer in model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.weights += [layer.input_layernorm.weight.detach(), a.qkv_proj.quant.qweight,
+                             a.o_proj.quant.qweight, layer.post_attention_layernorm.weight.detach(),
+                             mlp.gate_up_proj.quant.qweight, mlp.down_proj.quant.qweight]
+            self.qtypes += [int(p.quant.qtype) for p in _projections(layer)]
+
+    @classmethod
+    def build(cls, model) -> CpuDecodeLayers | None:
+        """One for ``model`` if every layer qualifies, else None."""
+        from pagedserve.models.llama import LlamaDecoderLayer
+
+        def qualifies(layer) -> bool:
+            a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            return (type(layer) is LlamaDecoderLayer
+                    and type(layer.input_layernorm) is RMSNorm
+                    and type(layer.post_attention_layernorm) is RMSNorm
+                    and a.q_norm is None and mlp.act is F.silu
+                    and a.rotary is model.layers[0].self_attn.rotary
+                    and a.rotary.rotary_dim == a.head_dim and not a.rotary.interleaved
+                    and a.rotary.cos.dtype == torch.float32
+                    and isinstance(a.attn.backend, CpuAttention)
+                    and all(isinstance(p.quant, quant.GGUFWeight) and p.bias is None
+                            for p in _projections(layer)))
+
+        if len(model.layers) and all(qualifies(layer) for layer in model.layers):
+            return cls(model)
+        return None
+
+    @staticmethod
+    def applies(hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A float32 step of at most ``MAX_ROWS`` tokens, all decodes."""
+        return (hidden.dtype == torch.float32 and hidden.shape[0] <= quant.MAX_ROWS
+                and meta.num_decodes == meta.num_seqs)
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
+                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden_size]`` after every layer (updated in place)."""
+        torch.ops.pagedserve.llama_decode_layers(
+            hidden, positions, self.weights, self.qtypes, kv_caches, self.windows,
+            meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            self.rotary.cos, self.rotary.sin, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.eps, self.scale)
+        return hidden
+
+
+def _projections(layer) -> list:
+    a, mlp = layer.self_attn, layer.mlp
+    return [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
