@@ -13,9 +13,11 @@ from pagedserve.models.cpu_decode import CpuDecodeLayers
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU kernels unavailable")
 
 
-@pytest.fixture(scope="module")
-def llm_gguf():
-    return LLM(dtype="float32", max_model_len=512, kv_cache_memory_bytes=128 << 20)
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def llm_gguf(request):
+    # no prefix caching: the second run must prefill exactly as the first
+    return LLM(dtype=request.param, max_model_len=512, kv_cache_memory_bytes=128 << 20,
+               enable_prefix_caching=False)
 
 
 def test_decode_layers_equal_the_python_layers(llm_gguf, chat_prompts, monkeypatch):
@@ -42,7 +44,8 @@ def test_decode_layers_equal_the_python_layers(llm_gguf, chat_prompts, monkeypat
 
 
 def test_only_qualifying_engines_get_it(llm, tiny_llama):
-    assert llm.engine.model.cpu_decode is None  # --quantization none: no GGUF blocks
+    """The exact engine and a safetensors model have no GGUF blocks: Python layers."""
+    assert llm.engine.model.cpu_decode is None  # --quantization none
     tiny = LLM(str(tiny_llama[0]), skip_tokenizer_init=True, dtype="float32",
                kv_cache_memory_bytes=16 << 20)
-    assert tiny.engine.model.cpu_decode is None  # safetensors: no GGUF blocks
+    assert tiny.engine.model.cpu_decode is None

@@ -49,7 +49,7 @@ def test_text_matches_tokenizer_decode(llm, chat_prompts):
 def test_preemption_keeps_outputs_exact(chat_prompts, reference, llm):
     # 9 prompts of 31-67 tokens growing by up to 32 each need ~50 blocks of 16 tokens
     # together; 16 blocks force running requests to be preempted and recomputed.
-    small = LLM(dtype="float32", num_gpu_blocks_override=16, max_model_len=128,
+    small = LLM(dtype="float32", quantization="none", num_gpu_blocks_override=16, max_model_len=128,
                 enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outputs = small.generate(_token_prompts(chat_prompts), params, use_tqdm=False)

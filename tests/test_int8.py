@@ -145,7 +145,7 @@ def test_engine_int8_greedy_agrees_with_float32(llm, llm_int8, chat_prompts):
     """Measured (2026-12-01): int8 and float32 greedy tokens agree for the first
     [16, 16, 4, 8, 16, 6, 6, 11, 9] of 16 tokens on the 9 chats: all 9 share their first 4.
     Int8 is not exact, so 6 of 9 are asserted; a wrong scale or layout gives garbage from
-    the first token. Perplexity is measured by benchmarks/int8_accuracy.py."""
+    the first token. Perplexity is measured by benchmarks/quant_accuracy.py."""
     model = llm_int8.engine.model
     assert model.layers[0].mlp.gate_up_proj.weight.dtype == torch.int8
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.float32  # FLOAT_LAYERS

@@ -28,7 +28,7 @@ def _run(llm, prompts, params):
 
 
 def test_prefix_caching_on_off_identical(shared_prefix_prompts, llm):
-    no_cache = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512,
+    no_cache = LLM(dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20, max_model_len=512,
                    enable_prefix_caching=False)
     for params in (SamplingParams(temperature=0, max_tokens=12),
                    SamplingParams(temperature=0.8, seed=11, max_tokens=12)):
@@ -43,8 +43,9 @@ def test_prefix_caching_on_off_identical(shared_prefix_prompts, llm):
 
 def test_prefix_cache_eviction_recomputes(chat_prompts):
     # 12 blocks: each prompt needs 3-5, so earlier prompts' cached blocks are evicted.
-    small = LLM(dtype="float32", num_gpu_blocks_override=12, max_model_len=96)
-    plain = LLM(dtype="float32", num_gpu_blocks_override=12, max_model_len=96,
+    small = LLM(dtype="float32", quantization="none", num_gpu_blocks_override=12,
+                max_model_len=96)
+    plain = LLM(dtype="float32", quantization="none", num_gpu_blocks_override=12, max_model_len=96,
                 enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=8)
     order = [chat_prompts[i] for i in (0, 3, 6, 7, 0, 3)]
@@ -93,7 +94,7 @@ def test_chunked_prefill_long_prompt(llm):
     text = " ".join(f"Item {i} is a number." for i in range(400))
     long_prompt = tok.encode(text)[:2000]
     assert len(long_prompt) == 2000
-    chunked = LLM(dtype="float32", kv_cache_memory_bytes=256 << 20,
+    chunked = LLM(dtype="float32", quantization="none", kv_cache_memory_bytes=256 << 20,
                   max_num_batched_tokens=256, max_model_len=2100, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=8)
     engine = chunked.engine
@@ -111,7 +112,7 @@ def test_chunked_prefill_long_prompt(llm):
             steps_with_both += 1  # the short one decoded while the long prompt was prefilling
         long_out = outs.get("long", long_out)
     assert steps_with_both >= 5, "decodes should continue during the chunked prefill"
-    one_shot = LLM(dtype="float32", kv_cache_memory_bytes=256 << 20,
+    one_shot = LLM(dtype="float32", quantization="none", kv_cache_memory_bytes=256 << 20,
                    max_num_batched_tokens=2048, max_model_len=2100, enable_prefix_caching=False)
     assert long_out.outputs[0].token_ids == _run(one_shot, [long_prompt], params)[0]
 

@@ -77,8 +77,9 @@ class Server:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port",
-             str(self.port), "--dtype", "float32", "--api-key", API_KEY, "--max-model-len",
-             str(MAX_MODEL_LEN), "--uvicorn-log-level", "warning",
+             # the exact path: the offline reference batches differently
+             str(self.port), "--dtype", "float32", "--quantization", "none", "--api-key",
+             API_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--uvicorn-log-level", "warning",
              # tools (issue 14): SmolLM2's own template plus hermes-style tools, rendering
              # exactly as the model's template when a request has no tools
              "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
@@ -136,7 +137,7 @@ def reference(server):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # leave the other core to the server, which loads meanwhile
     try:
-        llm = LLM(dtype="float32", max_model_len=MAX_MODEL_LEN)
+        llm = LLM(dtype="float32", quantization="none", max_model_len=MAX_MODEL_LEN)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
         completions = llm.generate(PROMPTS, params, use_tqdm=False)
         chats = llm.chat(CHATS, params, use_tqdm=False)

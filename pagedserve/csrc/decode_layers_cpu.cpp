@@ -8,7 +8,7 @@
 //   x = rms_norm(h); q, k, v = split(x @ Wqkv^T); rotary(q, k); cache <- k, v
 //   h += paged_attention(q, cache) @ Wo^T
 //   x = rms_norm(h); gate, up = split(x @ Wgate_up^T); h += (silu(gate) * up) @ Wdown^T
-// Every projection is a GGUF block weight (ggml_mul_mat_a8); float32 only.
+// Every projection is a GGUF block weight (ggml_mul_mat_a8); any float dtype.
 
 #include <torch/extension.h>
 
@@ -30,9 +30,15 @@ namespace {
 
 constexpr int64_t kTensorsPerLayer = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
 
+// x [T, K] @ W^T from W's GGUF blocks; the kernel takes and gives float32 rows, as in
+// quant.linear (no-op casts in float32).
+torch::Tensor project(const torch::Tensor& qweight, const torch::Tensor& x, int64_t qtype) {
+  return ggml_mul_mat_a8(qweight, x.to(at::kFloat), qtype).to(x.scalar_type());
+}
+
 }  // namespace
 
-// hidden [T, hidden_size] float32, updated in place. weights: per layer, in order, the
+// hidden [T, hidden_size] (the model's dtype), updated in place. weights: per layer, in order, the
 // input norm's weight, qkv_proj's blocks, o_proj's, the post-attention norm's weight,
 // gate_up_proj's, down_proj's; qtypes: per layer the four projections' GGUF types.
 // kv_caches, windows (0: none): per layer. The index tensors are AttentionMetadata's for
@@ -49,8 +55,8 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
                   static_cast<int64_t>(qtypes.size()) == 4 * layers &&
                   static_cast<int64_t>(windows.size()) == layers,
               "llama_decode_layers: 6 weights, 4 qtypes and 1 window per layer");
-  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
-              "llama_decode_layers: hidden must be a contiguous float32 [T, hidden_size]");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
+              "llama_decode_layers: hidden must be a contiguous [T, hidden_size]");
   const int64_t T = hidden.size(0), q_size = num_heads * head_dim;
   const int64_t kv_size = num_kv_heads * head_dim;
   auto x = torch::empty_like(hidden);
@@ -58,7 +64,7 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
     const torch::Tensor* w = weights.data() + kTensorsPerLayer * l;
     const int64_t* types = qtypes.data() + 4 * l;
     rms_norm(x, hidden, w[0], eps);
-    const auto qkv = ggml_mul_mat_a8(w[1], x, types[0]);
+    const auto qkv = project(w[1], x, types[0]);
     auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -67,12 +73,12 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
     auto attn = torch::empty({T, num_heads, head_dim}, hidden.options());
     paged_attention(q.contiguous(), kv_caches[l], block_tables, seq_lens, query_start_loc, attn,
                     scale, windows[l]);
-    hidden.add_(ggml_mul_mat_a8(w[2], attn.view({T, q_size}), types[1]));
+    hidden.add_(project(w[2], attn.view({T, q_size}), types[1]));
     rms_norm(x, hidden, w[3], eps);
-    const auto gate_up = ggml_mul_mat_a8(w[4], x, types[2]);
+    const auto gate_up = project(w[4], x, types[2]);
     const int64_t inter = gate_up.size(1) / 2;
     const auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
-    hidden.add_(ggml_mul_mat_a8(w[5], act, types[3]));
+    hidden.add_(project(w[5], act, types[3]));
   }
 }
 

@@ -8,9 +8,9 @@ the CPU's counterpart of replaying a captured CUDA graph for decodes.
 
 It applies to models whose every layer is a plain ``LlamaDecoderLayer`` (RMSNorm, no
 biases, no q/k norm, full-width neox rotary, SiLU) with GGUF block weights on all four
-projections (``quant.attach_gguf_weights``), in float32, with the C++ attention backend;
-and to steps of at most ``quant.MAX_ROWS`` tokens that are all decodes. Other models and
-steps run the Python layers.
+projections (``quant.attach_gguf_weights``), with the C++ attention backend, in any
+dtype; and to steps of at most ``quant.MAX_ROWS`` tokens that are all decodes. Other
+models and steps run the Python layers.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ class CpuDecodeLayers:
                     and a.q_norm is None and mlp.act is F.silu
                     and a.rotary is model.layers[0].self_attn.rotary
                     and a.rotary.rotary_dim == a.head_dim and not a.rotary.interleaved
-                    and a.rotary.cos.dtype == torch.float32
                     and isinstance(a.attn.backend, CpuAttention)
                     and all(isinstance(p.quant, quant.GGUFWeight) and p.bias is None
                             for p in _projections(layer)))
@@ -68,9 +67,8 @@ class CpuDecodeLayers:
 
     @staticmethod
     def applies(hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A float32 step of at most ``MAX_ROWS`` tokens, all decodes."""
-        return (hidden.dtype == torch.float32 and hidden.shape[0] <= quant.MAX_ROWS
-                and meta.num_decodes == meta.num_seqs)
+        """A step of at most ``MAX_ROWS`` tokens, all decodes."""
+        return hidden.shape[0] <= quant.MAX_ROWS and meta.num_decodes == meta.num_seqs
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

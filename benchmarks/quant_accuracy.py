@@ -1,7 +1,8 @@
-"""Accuracy of ``--quantization int8`` (W8A8) against float32 on held-out text.
+"""Accuracy of the inexact paths against exact float32 on held-out text: the default GGUF
+kernels (4-bit weights, 8-bit activations) and ``--quantization int8`` (W8A8).
 
-For each variant (float32 with dequantized weights, int8 with and without the LM head in
-int8, optionally bfloat16) it prints:
+For each variant (float32 with dequantized weights, the GGUF kernels, int8 with and
+without the LM head in int8, optionally bfloat16) it prints:
 
 - perplexity of the bundled model on MT-Bench's GPT-4 reference answers (30 questions, turn
   1, chat-formatted with the tokenizer's template; only the answer tokens are scored), from
@@ -11,7 +12,11 @@ int8, optionally bfloat16) it prints:
   reference answers, ids 81-100 and 131-160): the fraction of prompts whose first k
   generated tokens all equal float32's, for k = 1, 8, 32, and the mean common prefix length.
 
-    PYTHONPATH=. python benchmarks/int8_accuracy.py [--model PATH] [--bf16] [--chats 50]
+    PYTHONPATH=. python benchmarks/quant_accuracy.py [--model PATH] [--bf16] [--chats 50]
+
+The GGUF kernels serve steps of up to ``MAX_ROWS`` tokens only, so a prompt's scoring (one
+prefill) would not reach them: for that variant ``MAX_ROWS`` is raised while scoring, so
+that every answer token's logprob comes through them (the greedy runs keep the default).
 
 A benchmark, not a test: it prints figures (``benchmarks/README.md`` records them).
 """
@@ -25,6 +30,7 @@ import math
 from pathlib import Path
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.models import quant as quant_module
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 REFERENCES = "mt_bench_reference_answer_gpt-4.jsonl"
@@ -83,10 +89,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def make_llm(model: str | None, variant: str) -> LLM:
-    """One engine per variant: "float32" (dequantized weights, no GGUF kernels), "int8",
-    "int8-fp32-head" (the tied LM head left in float32), "bfloat16"."""
+    """One engine per variant: "float32" (dequantized weights, no GGUF kernels), "gguf"
+    (the default), "int8", "int8-fp32-head" (the tied LM head left in float32), "bfloat16"."""
     dtype = "bfloat16" if variant == "bfloat16" else "float32"
-    quant = "int8" if variant.startswith("int8") else "none"
+    quant = "int8" if variant.startswith("int8") else "gguf" if variant == "gguf" else "none"
     llm = LLM(model, dtype=dtype, quantization=quant, max_model_len=2048)
     if variant == "int8-fp32-head":
         llm.engine.model.tied_lm_head_quant = None  # back to the float32 embedding
@@ -102,14 +108,20 @@ def main() -> None:
     args = parser.parse_args()
     pairs, held_out = load_texts(args.data)
     chats = held_out[: args.chats]
-    variants = ["float32", "int8", "int8-fp32-head"] + (["bfloat16"] if args.bf16 else [])
+    variants = ["float32", "gguf", "int8", "int8-fp32-head"] + (["bfloat16"] if args.bf16 else [])
     base_lps = base_tokens = None
     print(f"{'variant':16s} {'ppl':>8s} {'vs fp32':>8s} {'max|dlp|':>9s} "
           f"{'agree@1':>8s} {'agree@8':>8s} {'agree@32':>9s} {'mean prefix':>12s}")
     for variant in variants:
         llm = make_llm(args.model, variant)
         prompts = scored_prompts(llm.get_tokenizer(), pairs)
-        lps, tokens = answer_logprobs(llm, prompts), greedy(llm, chats)
+        rows = quant_module.MAX_ROWS
+        quant_module.MAX_ROWS = 1 << 20 if variant == "gguf" else rows
+        try:
+            lps = answer_logprobs(llm, prompts)
+        finally:
+            quant_module.MAX_ROWS = rows
+        tokens = greedy(llm, chats)
         del llm
         gc.collect()
         if base_lps is None:
