@@ -39,8 +39,9 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def llm(gguf_path):
-    return LLM(model="gemma3-270m", dtype="float32", block_size=16, max_num_batched_tokens=256,
-               max_model_len=1024, kv_cache_memory_bytes=128 << 20)
+    # the exact path (its Q8_0 weights would otherwise serve small steps with 8-bit activations)
+    return LLM(model="gemma3-270m", dtype="float32", quantization="none", block_size=16,
+               max_num_batched_tokens=256, max_model_len=1024, kv_cache_memory_bytes=128 << 20)
 
 
 @pytest.fixture(scope="module")
