@@ -14,7 +14,6 @@ import argparse
 import time
 
 import torch
-
 from gguf import GGML_QUANT_SIZES
 
 from pagedserve import LLM

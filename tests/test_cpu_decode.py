@@ -4,7 +4,6 @@ Python layers it replaces: bit-equal logprobs and tokens, and which models it se
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import cpu_ops_available
