@@ -16,7 +16,7 @@
 //   Q4_1: sum_j (d q_j + m)(da a_j) = d da sum_j q_j a_j + m sa;   Q8_0: d da sum_j q_j a_j.
 // Integer sums are exact; the error is x's rounding to 8 bits per block.
 //
-// Repacked layout (gguf_repack_a8 in models/quant.py; same bytes per row as GGUF's): each
+// Repacked layout (repack_blocks in models/quant.py; the same bytes per row as GGUF's): each
 // row's blocks in groups of 8 (the last group may hold fewer, an even number), a group as
 // its G scales d (fp16), then for Q4_1 its G mins m (fp16), then its G blocks' quants:
 // one load then gives 8 scales. Activation quants are stored per pair of blocks (b, b + 1)
@@ -49,7 +49,7 @@ enum GGMLType : int64_t { kQ4_1 = 3, kQ8_0 = 8 };
 
 inline int64_t block_bytes(int64_t type) { return type == kQ4_1 ? 20 : 34; }
 
-float fp16_to_float(uint16_t bits) {
+inline float fp16_to_float(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
