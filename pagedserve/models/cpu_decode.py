@@ -50,11 +50,12 @@ class CpuDecodeLayers:
         from pagedserve.models.llama import LlamaDecoderLayer
 
         def qualifies(layer) -> bool:
-            a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            return (type(layer) is LlamaDecoderLayer
-                    and type(layer.input_layernorm) is RMSNorm
+            if type(layer) is not LlamaDecoderLayer:
+                return False
+            a = layer.self_attn
+            return (type(layer.input_layernorm) is RMSNorm
                     and type(layer.post_attention_layernorm) is RMSNorm
-                    and a.q_norm is None and mlp.act is F.silu
+                    and a.q_norm is None and layer.mlp.act is F.silu
                     and a.rotary is model.layers[0].self_attn.rotary
                     and a.rotary.rotary_dim == a.head_dim and not a.rotary.interleaved
                     and isinstance(a.attn.backend, CpuAttention)
