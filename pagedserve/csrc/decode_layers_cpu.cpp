@@ -38,9 +38,9 @@ torch::Tensor project(const torch::Tensor& qweight, const torch::Tensor& x, int6
 
 }  // namespace
 
-// hidden [T, hidden_size] (the model's dtype), updated in place. weights: per layer, in order, the
-// input norm's weight, qkv_proj's blocks, o_proj's, the post-attention norm's weight,
-// gate_up_proj's, down_proj's; qtypes: per layer the four projections' GGUF types.
+// hidden [T, hidden_size] (the model's dtype), updated in place. weights: per layer, in
+// order, the input norm's weight, qkv_proj's blocks, o_proj's, the post-attention norm's
+// weight, gate_up_proj's, down_proj's; qtypes: per layer the four projections' GGUF types.
 // kv_caches, windows (0: none): per layer. The index tensors are AttentionMetadata's for
 // a step whose sequences are all decodes. Raises (RuntimeError) on inconsistent lengths.
 void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,

@@ -47,7 +47,27 @@ constexpr int64_t kPrefetchBytes = 1536;  // how far ahead in W (best of 1536, 4
 
 enum GGMLType : int64_t { kQ4_1 = 3, kQ8_0 = 8 };
 
-inline int64_t block_bytes(int64_t type) { return type == kQ4_1 ? 20 : 34; }
+// A block's bytes: its scale fields (d, and m for Q4_1), then its quants.
+struct Q4_1Layout {
+  static constexpr bool kHasMin = true;
+  static constexpr int64_t kScaleBytes = 4, kQuantBytes = 16;
+};
+struct Q8_0Layout {
+  static constexpr bool kHasMin = false;
+  static constexpr int64_t kScaleBytes = 2, kQuantBytes = 32;
+};
+
+template <typename Layout>
+constexpr int64_t bytes_of() { return Layout::kScaleBytes + Layout::kQuantBytes; }
+
+inline int64_t block_bytes(int64_t type) {
+  return type == kQ4_1 ? bytes_of<Q4_1Layout>() : bytes_of<Q8_0Layout>();
+}
+
+// Where quant j of block b sits in its row of activation quants (the pair order above).
+inline int64_t activation_at(int64_t b, int64_t j) {
+  return (b / 2) * 2 * kBlock + (b % 2) * 16 + (j < 16 ? j : j + 16);
+}
 
 inline float fp16_to_float(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
@@ -66,9 +86,9 @@ struct ActivationBlocks {
 // vectorizes; fast-math is off here so that the compiler keeps it.
 constexpr float kRoundMagic = 12582912.f;
 
-// One block of 32: its quants (q[j] at offset[j]), d and s.
-PRECISE void quantize_block(const float* x, int8_t* q, const int64_t offset[kBlock], float* d,
-                            float* s) {
+// Block b of a row x: its quants into the row's activation quants q, its d and s.
+PRECISE void quantize_block(const float* x, int64_t b, int8_t* q, float* d, float* s) {
+  x += b * kBlock;
   float amax = 0.f;
   for (int j = 0; j < kBlock; ++j) {
     const float a = x[j] < 0.f ? -x[j] : x[j];
@@ -79,7 +99,7 @@ PRECISE void quantize_block(const float* x, int8_t* q, const int64_t offset[kBlo
   int32_t sum = 0;
   for (int j = 0; j < kBlock; ++j) {
     const int32_t v = static_cast<int32_t>((x[j] * id + kRoundMagic) - kRoundMagic);
-    q[offset[j]] = static_cast<int8_t>(v);
+    q[activation_at(b, j)] = static_cast<int8_t>(v);
     sum += v;
   }
   *s = *d * static_cast<float>(sum);
@@ -89,15 +109,9 @@ ActivationBlocks quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock, ns = (nb + kGroup - 1) / kGroup * kGroup;
   ActivationBlocks a{nb, ns, std::vector<int8_t>(M * K), std::vector<float>(M * ns, 0.f),
                      std::vector<float>(M * ns, 0.f)};
-  // Where quant j of an even block (first of its pair) goes within the pair's 64 bytes;
-  // the odd block's are 16 further.
-  int64_t offset[kBlock];
-  for (int j = 0; j < kBlock; ++j) offset[j] = j < 16 ? j : j + 16;
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      int8_t* pair = a.q.data() + m * K + (b / 2) * 2 * kBlock + (b % 2) * 16;
-      quantize_block(x + m * K + b * kBlock, pair, offset, &a.d[m * ns + b], &a.s[m * ns + b]);
-    }
+    for (int64_t b = 0; b < nb; ++b)
+      quantize_block(x + m * K, b, a.q.data() + m * K, &a.d[m * ns + b], &a.s[m * ns + b]);
   return a;
 }
 
@@ -116,8 +130,7 @@ inline __m256i dot_u8_s8(__m256i acc, __m256i w, __m256i a) {
 }
 
 // A pair of blocks' quants as (low, high) halves in the activations' pair order.
-struct Q4_1 {
-  static constexpr bool kHasMin = true;
+struct Q4_1 : Q4_1Layout {
   static inline void pair(const uint8_t* qs, __m256i w[2]) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
     const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -127,8 +140,7 @@ struct Q4_1 {
   static inline __m256i dot(__m256i acc, __m256i w, __m256i a) { return dot_u8_s8(acc, w, a); }
 };
 
-struct Q8_0 {
-  static constexpr bool kHasMin = false;
+struct Q8_0 : Q8_0Layout {
   static inline void pair(const uint8_t* qs, __m256i w[2]) {
     const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
     const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + kBlock));
@@ -166,10 +178,10 @@ void dot_row(const uint8_t* row, const ActivationBlocks& a, int64_t m0, float* o
     const int64_t G = std::min(kGroup, nb - g);
     const __m256 d = load_fp16x8(row, G);
     const __m256 mins = Format::kHasMin ? load_fp16x8(row + 2 * G, G) : _mm256_setzero_ps();
-    const uint8_t* qs = row + (Format::kHasMin ? 4 : 2) * G;
-    row = qs + G * (Format::kHasMin ? 16 : 32);
+    const uint8_t* qs = row + Format::kScaleBytes * G;
+    row = qs + Format::kQuantBytes * G;
     __m256i w[kGroup / 2][2];
-    for (int64_t p = 0; p < G / 2; ++p) Format::pair(qs + p * 2 * (Format::kHasMin ? 16 : 32), w[p]);
+    for (int64_t p = 0; p < G / 2; ++p) Format::pair(qs + 2 * p * Format::kQuantBytes, w[p]);
     for (int m = 0; m < MT; ++m) {
       const int8_t* aq = a.q.data() + (m0 + m) * K + g * kBlock;
       // pair p's sums: block 2p in the low 4 lanes, block 2p + 1 in the high 4
@@ -198,17 +210,15 @@ void dot_row(const uint8_t* row, const ActivationBlocks& a, int64_t m0, float* o
 
 #else  // portable: the same layout, one product at a time
 
-struct Q4_1 {
-  static constexpr bool kHasMin = true;
+struct Q4_1 : Q4_1Layout {
   static inline int32_t quant(const uint8_t* qs, int64_t b, int j) {
-    return j < 16 ? (qs[16 * b + j] & 0x0F) : (qs[16 * b + j - 16] >> 4);
+    return j < 16 ? (qs[kQuantBytes * b + j] & 0x0F) : (qs[kQuantBytes * b + j - 16] >> 4);
   }
 };
 
-struct Q8_0 {
-  static constexpr bool kHasMin = false;
+struct Q8_0 : Q8_0Layout {
   static inline int32_t quant(const uint8_t* qs, int64_t b, int j) {
-    return static_cast<int8_t>(qs[32 * b + j]);
+    return static_cast<int8_t>(qs[kQuantBytes * b + j]);
   }
 };
 
@@ -219,21 +229,21 @@ void dot_row(const uint8_t* row, const ActivationBlocks& a, int64_t m0, float* o
   float acc[MT] = {};
   for (int64_t g = 0; g < nb; g += kGroup) {
     const int64_t G = std::min(kGroup, nb - g);
-    const uint8_t* qs = row + (Format::kHasMin ? 4 : 2) * G;
+    const uint8_t* qs = row + Format::kScaleBytes * G;
     for (int64_t b = 0; b < G; ++b) {
       uint16_t bits[2];
       std::memcpy(&bits[0], row + 2 * b, 2);
       std::memcpy(&bits[1], row + 2 * (G + b), 2);
       const float d = fp16_to_float(bits[0]), mw = Format::kHasMin ? fp16_to_float(bits[1]) : 0.f;
       for (int m = 0; m < MT; ++m) {
-        const int8_t* pair = a.q.data() + (m0 + m) * K + (g + b) / 2 * 2 * kBlock + (b % 2) * 16;
+        const int8_t* aq = a.q.data() + (m0 + m) * K;
         int32_t sum = 0;
-        for (int j = 0; j < kBlock; ++j) sum += Format::quant(qs, b, j) * pair[j < 16 ? j : j + 16];
+        for (int j = 0; j < kBlock; ++j) sum += Format::quant(qs, b, j) * aq[activation_at(g + b, j)];
         const int64_t s = (m0 + m) * ns + g + b;
         acc[m] += d * a.d[s] * static_cast<float>(sum) + mw * a.s[s];
       }
     }
-    row = qs + G * (Format::kHasMin ? 16 : 32);
+    row = qs + Format::kQuantBytes * G;
   }
   for (int m = 0; m < MT; ++m) out[m * ldo] = acc[m];
 }
