@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 KERNEL_TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 # Most rows of x computed from the blocks; above it MKL on float32 weights is as fast or
 # faster on an AVX2 Zen 3 (measured at M = 1..32 on SmolLM2's shapes).
-MAX_ROWS = 16
+MAX_ROWS = 64
 QUANTIZATION_CHOICES = ("gguf", "int8", "none")
 # Output columns per torch.mm for wider CPU weights. Measured on an AVX2 Zen 3 with 2
 # threads, MKL 2024.2, K = 576: N = 49,152 runs at 62 / 83 / 93 GFLOP/s whole and
@@ -53,31 +53,35 @@ COLUMN_CHUNK = 2048
 # Bytes of one block's fields: (start, stop) of the scale d, the min m (Q4_1), the quants.
 _BLOCK_FIELDS = {GGMLQuantizationType.Q4_1: ((0, 2), (2, 4), (4, 20)),
                  GGMLQuantizationType.Q8_0: ((0, 2), (2, 34))}
-_GROUP = 8  # blocks per group in the kernel's layout
+TILE_ROWS = 16  # output rows per tile of the kernel's layout
 
 
 @dataclass(frozen=True)
 class GGUFWeight:
-    """A weight ``[N, K]`` as GGUF blocks: ``qweight`` uint8 ``[N, K / 32 * type_size]``
-    (row n = the blocks of output row n, in the kernel's order: ``repack_blocks``),
-    ``qtype`` one of ``KERNEL_TYPES``."""
+    """A weight ``[N, K]`` as GGUF blocks in the kernel's layout (``repack_blocks``):
+    ``qweight`` uint8 ``[N / 16, K / 32 * 16 * type_size]``, ``qtype`` one of
+    ``KERNEL_TYPES``."""
 
     qweight: torch.Tensor
     qtype: GGMLQuantizationType
 
 
 def repack_blocks(rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """GGUF rows uint8 ``[N, K / 32 * type_size]`` (K a multiple of 64) reordered for
-    ``ggml_mul_mat_a8``: each row's blocks in groups of 8 (the last may be shorter), a group
-    as its scales d, then (Q4_1) its mins m, then its quants. The same bytes, moved so that
-    one load gives a group's scales (layout: ``csrc/gguf_gemm_cpu.cpp``)."""
-    n = rows.shape[0]
-    blocks = rows.view(n, -1, GGML_QUANT_SIZES[qtype][1])
+    """GGUF rows uint8 ``[N, K / 32 * type_size]`` (N a multiple of 16) reordered for
+    ``ggml_mul_mat_a8``: in tiles of 16 rows, and per tile block after block, the 16 rows'
+    scales d, then (Q4_1) their mins m, then their quants in chunks of 4 bytes, chunk-major
+    (``[chunk][row][4 bytes]``). The same bytes, moved so that one 64-byte load holds 4
+    quant bytes of each of 16 rows (layout: ``csrc/gguf_gemm_cpu.cpp``). Returns uint8
+    ``[N / 16, K / 32 * 16 * type_size]``."""
+    n, size = rows.shape[0], GGML_QUANT_SIZES[qtype][1]
+    tiles = rows.view(n // TILE_ROWS, TILE_ROWS, -1, size).transpose(1, 2)  # [T, blocks, 16, size]
     parts = []
-    for start in range(0, blocks.shape[1], _GROUP):
-        group = blocks[:, start : start + _GROUP]
-        parts += [group[:, :, a:b].reshape(n, -1) for a, b in _BLOCK_FIELDS[qtype]]
-    return torch.cat(parts, dim=1)
+    for a, b in _BLOCK_FIELDS[qtype]:
+        field = tiles[..., a:b]
+        if b - a > 2:  # quants: [T, blocks, 16, chunks, 4] -> chunk-major
+            field = field.unflatten(-1, (-1, 4)).transpose(2, 3)
+        parts.append(field.reshape(*tiles.shape[:2], -1))
+    return torch.cat(parts, dim=-1).reshape(n // TILE_ROWS, -1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -204,7 +208,7 @@ def attach_gguf_weights(model: nn.Module,
     ``blocks`` holds (HF name, type, rows) as ``gguf_loader.iter_gguf_blocks`` yields them.
     A fused layer (qkv_proj, gate_up_proj) gets its checkpoint tensors' rows concatenated in
     ``model.checkpoint_names`` order, only if all are there with one type and the kernel
-    takes their width (a multiple of 64). Returns the number of weights attached.
+    takes their row count (a multiple of 16). Returns the number of weights attached.
     """
     found = {name.removeprefix("model.").removesuffix(".weight"): (qtype, rows)
              for name, qtype, rows in blocks}
@@ -226,7 +230,6 @@ def _concat_rows(found: dict[str, tuple[GGMLQuantizationType, torch.Tensor]],
         return None
     qtype = parts[0][0]
     rows = torch.cat([rows for _, rows in parts])
-    width = rows.shape[1] // GGML_QUANT_SIZES[qtype][1] * GGML_QUANT_SIZES[qtype][0]
-    if width % 64:
+    if rows.shape[0] % TILE_ROWS:
         return None
     return GGUFWeight(repack_blocks(rows, qtype), qtype)
