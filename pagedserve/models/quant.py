@@ -6,10 +6,11 @@ backend and vLLM's GGUF kernels (``ggml_mul_mat_vec_a8``) do.
 Why: at batch 1 a decode step is bound by reading the weights, and the blocks are 3.2x
 (Q8_0) to 6.4x (Q4_1) smaller than float32; integer dot products on 8-bit activations
 keep the kernel at the memory's pace where dequantizing to float32 did not (a lone request's
-weight reads went 12.5 -> 8 ms a token). The price is the activations' rounding to 8 bits
-per block of 32: not token-exact with float32 (``benchmarks/README.md`` gives perplexity
-and greedy agreement). Steps of more than ``MAX_ROWS`` tokens (prefill, large batches) run
-MKL on the float32 weights, which layers keep as well.
+weight reads went 12.5 -> 8 ms a token), and at tens of rows they do 4x the multiply-adds
+of a float32 FMA per instruction. The price is the activations' rounding to 8 bits per
+block of 32: not token-exact with float32 (``benchmarks/README.md`` gives perplexity and
+greedy agreement). Steps of more than ``MAX_ROWS`` tokens (prefills) run MKL on the
+float32 weights, which layers keep as well.
 
 On by default for GGUF models on CPU, in any dtype (``--quantization`` unset or ``gguf``);
 ``--quantization none`` computes from dequantized float32 weights only (exact);
@@ -39,8 +40,11 @@ logger = logging.getLogger(__name__)
 
 # The block types the kernel reads.
 KERNEL_TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
-# Most rows of x computed from the blocks; above it MKL on float32 weights is as fast or
-# faster on an AVX2 Zen 3 (measured at M = 1..32 on SmolLM2's shapes).
+# Most rows of x computed from the blocks (a decode step of up to 64 sequences); above it
+# MKL on the float32 weights. One decode step's GEMMs of SmolLM2-135M, AVX-512 VNNI Ice
+# Lake, 2 threads: 5.5 / 14 / 28 / 58 ms from the blocks vs - / 39 / 50 / 82 ms MKL at
+# 1 / 16 / 32 / 64 rows; the AVX2 path against MKL limited to AVX2: 34 vs 59 ms at 16
+# rows, 145 vs 150 at 64 (benchmarks/README.md).
 MAX_ROWS = 64
 QUANTIZATION_CHOICES = ("gguf", "int8", "none")
 # Output columns per torch.mm for wider CPU weights. Measured on an AVX2 Zen 3 with 2
