@@ -1,7 +1,7 @@
 // Paged attention for CPU (torch.ops.pagedserve.paged_attention): reads K/V straight from
 // the cache blocks through the block tables (no gathered copy of the context), one work
 // item per query row (all heads; per KV head when there are fewer rows than threads),
-// spread over threads with at::parallel_for.
+// spread over threads in runs of equal key counts.
 //
 // Layouts (see pagedserve/attention/backend.py):
 //   query       [num_tokens, num_heads, head_dim]
@@ -13,21 +13,27 @@
 // positions p with p <= pos and (window == 0 or p > pos - window).
 //
 // Softmax is computed online over tiles of 64 keys, across blocks (Milakov & Gimelshein
-// 2018, "Online normalizer calculation for softmax"): per tile and query head, the scores
-// (eight keys at a time, their horizontal sums sharing shuffles), one rescale of the running
-// max and sum, then V. A decode step reads every layer's context from DRAM once, and the
-// blocks are scattered over pages the hardware prefetcher does not follow, so the next
-// tile's rows are prefetched while this one computes. Head sizes 64 and 128 get
-// register-blocked loops; other sizes take plain loops the compiler vectorizes.
-// All arithmetic is float32 whatever the storage dtype.
+// 2018, "Online normalizer calculation for softmax"): per tile, KV head and query head,
+// the scores (eight keys at a time, their horizontal sums sharing shuffles), exponentials
+// a register at a time, one rescale of the running max and sum, then V. A decode step
+// reads every layer's context from DRAM once, and the blocks are scattered over pages the
+// hardware prefetcher does not follow, so the next tile's rows are prefetched while this
+// one computes. Head sizes 64 and 128 get register-blocked loops (AVX-512 registers where
+// the CPU has them); other sizes take plain loops the compiler vectorizes.
+// All arithmetic is float32 whatever the storage dtype (bfloat16 converts in registers).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -36,13 +42,76 @@ namespace {
 // shared by this many keys.
 constexpr int64_t kTileKeys = 64;
 
-// 8 floats: one AVX2 register (the compiler splits or fuses it for other widths).
+// One vector register of floats: 16 lanes with AVX-512 (half the instructions of AVX2 for
+// the same work), else 8 (the compiler splits or fuses it for other widths).
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
 typedef float v8f __attribute__((vector_size(32)));
 
-inline v8f load8(const float* p) {
-  v8f x;
-  std::memcpy(&x, p, sizeof(x));
+// kLanes values at p as float32: bfloat16 is the top half of a float32, so it converts
+// with a widen and a shift; other dtypes convert one by one.
+template <typename T>
+inline vf loadv(const T* p) {
+  vf x;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&x, p, sizeof(x));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#ifdef __AVX512F__
+    // one vpmovzxwd (GCC splits __builtin_convertvector's widening into halves)
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const vi bits = reinterpret_cast<vi>(_mm512_slli_epi32(w, 16));
+#else
+    vu16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const vi bits = __builtin_convertvector(h, vi) << 16;
+#endif
+    std::memcpy(&x, &bits, sizeof(x));
+  } else {
+    for (int i = 0; i < kLanes; ++i) x[i] = static_cast<float>(p[i]);
+  }
   return x;
+}
+
+inline void storev(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
+
+// exp(x) for x <= 0 (softmax exponents: score minus a running max), 0 below -87 (also
+// for -inf); Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-7
+// polynomial, 2^n through the exponent bits. Within a few ulp, inline over a whole
+// register (std::exp is a libm call per element, or per eight when GCC vectorizes it).
+inline vf exp_nonpositive(vf x) {
+  const vf lo = vf{} - 87.f;
+  const vf xc = x < lo ? lo : x;
+  // n = round(x / ln2): truncation of a non-positive value minus 0.5
+  const vi n = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi);
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = xc - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi pow2n = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &pow2n, sizeof(scale));
+  return x < lo ? vf{} : p * scale;
+}
+
+// A register's two halves added, down to 8 lanes (one AVX2 register).
+template <typename V>
+inline v8f fold8(V x) {
+  if constexpr (sizeof(V) == 64)
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  else
+    return x;
 }
 
 inline float sum8(v8f x) {
@@ -55,24 +124,6 @@ inline float sum8(v8f x) {
 inline int64_t key_row(const int64_t* table, int64_t pos, int64_t block_size,
                        int64_t token_stride) {
   return (table[pos / block_size] * block_size + pos % block_size) * token_stride;
-}
-
-// Pointers to a tile's K (or V) rows of these KV heads as float32: float storage is read
-// in place, other dtypes are converted into `buf` (n rows of `width` floats).
-template <typename scalar_t>
-void tile_rows(const scalar_t* base, const int64_t* table, int64_t start, int64_t n,
-               int64_t block_size, int64_t token_stride, int64_t width, float* buf,
-               const float** rows) {
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = start + j;
-    const scalar_t* src = base + key_row(table, pos, block_size, token_stride);
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      rows[j] = src;
-    } else {
-      for (int64_t c = 0; c < width; ++c) buf[j * width + c] = static_cast<float>(src[c]);
-      rows[j] = buf + j * width;
-    }
-  }
 }
 
 // [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7] (AVX's vhaddps).
@@ -89,66 +140,132 @@ inline v8f sum8x8(const v8f* x) {
          __builtin_shufflevector(lo4, hi4, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// scores[j] = q . (rows[j] + offset) for a head of D = 8 * kChunks floats, eight keys at a
-// time so that their horizontal sums share shuffles.
-template <int kChunks>
-inline void dot_keys(const float* q, const float* const* rows, int64_t offset, int64_t n,
+// scores[j] = q . k_j, k_j = rows[j] + offset, for a head of D = kLanes * kChunks
+// floats, eight keys at a time so that their horizontal sums share shuffles.
+template <int kChunks, typename T>
+inline void dot_keys(const float* q, const T* const* rows, int64_t offset, int64_t n,
                      float* scores) {
-  v8f qv[kChunks];
-  for (int c = 0; c < kChunks; ++c) qv[c] = load8(q + 8 * c);
+  vf qv[kChunks];
+  for (int c = 0; c < kChunks; ++c) qv[c] = loadv(q + kLanes * c);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     v8f acc[8];
     for (int i = 0; i < 8; ++i) {
-      const float* k = rows[j + i] + offset;
-      acc[i] = qv[0] * load8(k);
-      for (int c = 1; c < kChunks; ++c) acc[i] += qv[c] * load8(k + 8 * c);
+      const T* k = rows[j + i] + offset;
+      vf a = qv[0] * loadv(k);
+      for (int c = 1; c < kChunks; ++c) a += qv[c] * loadv(k + kLanes * c);
+      acc[i] = fold8(a);
     }
     const v8f sums = sum8x8(acc);
     std::memcpy(scores + j, &sums, sizeof(sums));
   }
   for (; j < n; ++j) {
-    const float* k = rows[j] + offset;
-    v8f acc = qv[0] * load8(k);
-    for (int c = 1; c < kChunks; ++c) acc += qv[c] * load8(k + 8 * c);
-    scores[j] = sum8(acc);
+    const T* k = rows[j] + offset;
+    vf a = qv[0] * loadv(k);
+    for (int c = 1; c < kChunks; ++c) a += qv[c] * loadv(k + kLanes * c);
+    scores[j] = sum8(fold8(a));
   }
 }
 
-// acc[0:D] += sum_j p[j] * (rows[j] + offset)[0:D] for D = 8 * kChunks; the accumulator
-// stays in registers across the keys.
-template <int kChunks>
-inline void accumulate_v(float* acc, const float* p, const float* const* rows, int64_t offset,
+// acc[0:D] += sum_j p[j] * (rows[j] + offset)[0:D] for D = kLanes * kChunks; the
+// accumulator stays in registers across the keys.
+template <int kChunks, typename T>
+inline void accumulate_v(float* acc, const float* p, const T* const* rows, int64_t offset,
                          int64_t n) {
-  v8f a[kChunks];
-  for (int c = 0; c < kChunks; ++c) a[c] = load8(acc + 8 * c);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* v = rows[j] + offset;
-    const float pj = p[j];
-    for (int c = 0; c < kChunks; ++c) a[c] += pj * load8(v + 8 * c);
+  // Two accumulators per chunk, for even and odd keys: an FMA waits 4 cycles for the
+  // previous one into the same register, and kChunks chains alone do not fill that.
+  vf a[kChunks], b[kChunks];
+  for (int c = 0; c < kChunks; ++c) a[c] = loadv(acc + kLanes * c), b[c] = vf{};
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const T* v0 = rows[j] + offset;
+    const T* v1 = rows[j + 1] + offset;
+    for (int c = 0; c < kChunks; ++c) {
+      a[c] += p[j] * loadv(v0 + kLanes * c);
+      b[c] += p[j + 1] * loadv(v1 + kLanes * c);
+    }
   }
-  for (int c = 0; c < kChunks; ++c) std::memcpy(acc + 8 * c, &a[c], sizeof(v8f));
+  if (j < n)
+    for (int c = 0; c < kChunks; ++c) a[c] += p[j] * loadv(rows[j] + offset + kLanes * c);
+  for (int c = 0; c < kChunks; ++c) storev(acc + kLanes * c, a[c] + b[c]);
 }
 
 // The same for any D (the compiler vectorizes the loops over it).
-inline void dot_keys_any(const float* q, const float* const* rows, int64_t offset, int64_t n,
+template <typename T>
+inline void dot_keys_any(const float* q, const T* const* rows, int64_t offset, int64_t n,
                          int64_t D, float* scores) {
   for (int64_t j = 0; j < n; ++j) {
-    const float* k = rows[j] + offset;
+    const T* k = rows[j] + offset;
     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * static_cast<float>(k[d]);
     scores[j] = dot;
   }
 }
 
-inline void accumulate_v_any(float* acc, const float* p, const float* const* rows,
+template <typename T>
+inline void accumulate_v_any(float* acc, const float* p, const T* const* rows,
                              int64_t offset, int64_t n, int64_t D) {
   for (int64_t j = 0; j < n; ++j) {
-    const float* v = rows[j] + offset;
+    const T* v = rows[j] + offset;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * v[d];
+    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * static_cast<float>(v[d]);
   }
+}
+
+// Online-softmax step for one head over a tile: scores[0:n] (padded with -inf to a whole
+// register) become exp(score - new max); returns the factor that rescales the head's
+// earlier accumulator and sum, and updates its running max `m` and sum `l`.
+inline float softmax_tile(float* scores, int64_t n, float& m, float& l) {
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t j = n; j < padded; ++j) scores[j] = -INFINITY;
+  vf mx = loadv(scores);
+  for (int64_t j = kLanes; j < padded; j += kLanes) {
+    const vf s = loadv(scores + j);
+    mx = s > mx ? s : mx;
+  }
+  float new_max = m;
+  for (int i = 0; i < kLanes; ++i) new_max = std::max(new_max, mx[i]);
+  vf sum = vf{};
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const vf e = exp_nonpositive(loadv(scores + j) - new_max);
+    storev(scores + j, e);
+    sum += e;
+  }
+  const float correction = exp_nonpositive(vf{} + (m - new_max))[0];
+  l = l * correction + sum8(fold8(sum));
+  m = new_max;
+  return correction;
+}
+
+// Pointers to K and V rows of positions [start, start + n) (at the first KV head of this
+// item), a block's run of rows at a time: one division per block, not per key.
+template <typename T>
+void tile_rows(const T* k_base, const T* v_base, const int64_t* table, int64_t start,
+               int64_t n, int64_t block_size, int64_t token_stride, const T** krows,
+               const T** vrows) {
+  for (int64_t j = 0; j < n;) {
+    const int64_t row = key_row(table, start + j, block_size, token_stride);
+    const int64_t run = std::min(n - j, block_size - (start + j) % block_size);
+    for (int64_t i = 0; i < run; ++i, ++j) {
+      krows[j] = k_base + row + i * token_stride;
+      vrows[j] = v_base + row + i * token_stride;
+    }
+  }
+}
+
+// Asks for rows[0:n] + offset .. + offset + D of K and V into L2. Called per KV head with
+// the next tile's rows, so the requests spread over the tile's work instead of stalling
+// in one burst on the few outstanding misses a core may have.
+template <typename T>
+inline void prefetch_rows(const T* const* krows, const T* const* vrows, int64_t n,
+                          int64_t offset, int64_t D) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < D; c += kLine) {
+      __builtin_prefetch(krows[j] + offset + c, 0, 1);
+      __builtin_prefetch(vrows[j] + offset + c, 0, 1);
+    }
 }
 
 // kD: the head size when it is 64 or 128 (register-blocked loops), else 0 (any size).
@@ -158,53 +275,45 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
                 const int64_t* table, int64_t lo, int64_t hi,  // keys [lo, hi)
                 int64_t block_size, int64_t token_stride, int64_t kv_heads, int64_t group,
                 int64_t head_dim, float scale, scalar_t* out) {
-  // Per tile and query head: its scores against the tile's keys, the online-softmax
-  // rescale, then its V accumulation; the `group` query heads that share a KV head (GQA)
-  // read its rows from L1.
+  // Per tile and KV head, then per query head sharing it (GQA): its scores against the
+  // tile's keys, the online-softmax rescale, then its V accumulation. One KV head's K
+  // and V rows of a tile (32 KB for 64 keys of 64 floats) stay in L1 for its query heads.
   const int64_t D = kD > 0 ? kD : head_dim;
-  const int64_t num_heads = kv_heads * group, width = kv_heads * D;
+  const int64_t num_heads = kv_heads * group;
   std::vector<float> qf(num_heads * D), acc(num_heads * D, 0.f);
   std::vector<float> m(num_heads, -INFINITY), l(num_heads, 0.f);
-  std::vector<float> kbuf(std::is_same_v<scalar_t, float> ? 0 : kTileKeys * width);
-  std::vector<float> vbuf(kbuf.size());
-  float scores[kTileKeys];
-  const float* krows[kTileKeys];
-  const float* vrows[kTileKeys];
+  alignas(64) float scores[kTileKeys];
+  const scalar_t* krows[2][kTileKeys];
+  const scalar_t* vrows[2][kTileKeys];
   for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
 
-  for (int64_t start = lo; start < hi; start += kTileKeys) {
-    const int64_t n = std::min(kTileKeys, hi - start);
-    tile_rows(k_base, table, start, n, block_size, token_stride, width, kbuf.data(), krows);
-    tile_rows(v_base, table, start, n, block_size, token_stride, width, vbuf.data(), vrows);
+  int64_t n = std::min(kTileKeys, hi - lo);
+  tile_rows(k_base, v_base, table, lo, n, block_size, token_stride, krows[0], vrows[0]);
+  for (int64_t start = lo, t = 0; start < hi; start += kTileKeys, t ^= 1) {
     // The next tile's rows are on other pages (blocks are scattered), where the hardware
-    // prefetcher does not follow: ask for them while this tile computes.
-    for (int64_t pos = start + kTileKeys; pos < std::min(start + 2 * kTileKeys, hi); ++pos) {
-      const int64_t row = key_row(table, pos, block_size, token_stride);
-      for (int64_t c = 0; c < width; c += 64 / static_cast<int64_t>(sizeof(scalar_t))) {
-        __builtin_prefetch(k_base + row + c, 0, 1);
-        __builtin_prefetch(v_base + row + c, 0, 1);
+    // prefetcher does not follow: they are asked for while this one computes.
+    const int64_t next_n = std::min(kTileKeys, std::max<int64_t>(0, hi - start - kTileKeys));
+    tile_rows(k_base, v_base, table, start + kTileKeys, next_n, block_size, token_stride,
+              krows[t ^ 1], vrows[t ^ 1]);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const int64_t offset = g * D;
+      prefetch_rows(krows[t ^ 1], vrows[t ^ 1], next_n, offset, D);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        float* acc_h = acc.data() + h * D;
+        if constexpr (kD > 0)
+          dot_keys<kD / kLanes>(qf.data() + h * D, krows[t], offset, n, scores);
+        else
+          dot_keys_any(qf.data() + h * D, krows[t], offset, n, D, scores);
+        const float correction = softmax_tile(scores, n, m[h], l[h]);
+        if (correction != 1.f)
+          for (int64_t d = 0; d < D; ++d) acc_h[d] *= correction;
+        if constexpr (kD > 0)
+          accumulate_v<kD / kLanes>(acc_h, scores, vrows[t], offset, n);
+        else
+          accumulate_v_any(acc_h, scores, vrows[t], offset, n, D);
       }
     }
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const int64_t offset = h / group * D;
-      float* acc_h = acc.data() + h * D;
-      if constexpr (kD > 0) dot_keys<kD / 8>(qf.data() + h * D, krows, offset, n, scores);
-      else dot_keys_any(qf.data() + h * D, krows, offset, n, D, scores);
-      float new_max = m[h];
-      for (int64_t j = 0; j < n; ++j) new_max = new_max > scores[j] ? new_max : scores[j];
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        scores[j] = std::exp(scores[j] - new_max);
-        sum += scores[j];
-      }
-      const float correction = std::exp(m[h] - new_max);
-      l[h] = l[h] * correction + sum;
-      m[h] = new_max;
-      if (correction != 1.f)
-        for (int64_t d = 0; d < D; ++d) acc_h[d] *= correction;
-      if constexpr (kD > 0) accumulate_v<kD / 8>(acc_h, scores, vrows, offset, n);
-      else accumulate_v_any(acc_h, scores, vrows, offset, n, D);
-    }
+    n = next_n;
   }
   for (int64_t h = 0; h < num_heads; ++h) {
     const float inv = 1.f / l[h];
@@ -231,32 +340,52 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
 
-  // token -> its sequence, so work items are flat query rows
+  // token -> its sequence
   std::vector<int64_t> token_seq(num_tokens);
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t t = starts[s]; t < starts[s + 1]; ++t) token_seq[t] = s;
+
+  // Work items: query rows, or (row, KV heads) parts when there are fewer rows than
+  // threads (a lone decode), so that all threads work.
+  const int64_t parts = num_tokens < at::get_num_threads() ? kv_heads : 1;
+  const int64_t part_heads = kv_heads / parts, items = num_tokens * parts;
+  // Keys [lo, hi) of query row t.
+  auto key_range = [&](int64_t t) {
+    const int64_t s = token_seq[t];
+    const int64_t hi = lens[s] - (starts[s + 1] - t) + 1;
+    return std::pair<int64_t, int64_t>{window > 0 ? std::max<int64_t>(0, hi - window) : 0, hi};
+  };
+  // Threads get runs of items of equal cost (keys, plus a fixed cost per item), not equal
+  // counts: a decode batch's contexts differ several-fold, and equal counts left one
+  // thread waiting for the other ~10% of the time.
+  constexpr int64_t kItemCost = 32;
+  const int64_t chunks = std::min<int64_t>(at::get_num_threads(), items);
+  std::vector<int64_t> cost(items + 1, 0);  // cost of items [0, i)
+  for (int64_t i = 0; i < items; ++i) {
+    const auto [lo, hi] = key_range(i / parts);
+    cost[i + 1] = cost[i] + hi - lo + kItemCost;
+  }
+  std::vector<int64_t> first(chunks + 1, items);  // chunk c: items [first[c], first[c + 1])
+  for (int64_t c = 0; c < chunks; ++c)
+    first[c] = std::lower_bound(cost.begin(), cost.end() - 1, cost[items] * c / chunks) -
+               cost.begin();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
     const scalar_t* v_base = k_base + kv_cache.stride(0);
     scalar_t* o = out.data_ptr<scalar_t>();
-    // Fewer rows than threads (a lone decode): split each row by KV head so all work.
-    const int64_t parts = num_tokens < at::get_num_threads() ? kv_heads : 1;
-    const int64_t part_heads = kv_heads / parts;
-    at::parallel_for(0, num_tokens * parts, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t t = item / parts, g = item % parts * part_heads, s = token_seq[t];
-        const int64_t q_len = starts[s + 1] - starts[s];
-        const int64_t pos = lens[s] - q_len + (t - starts[s]);
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    auto attend = D == 64    ? attend_row<scalar_t, 64>
+                  : D == 128 ? attend_row<scalar_t, 128>
+                             : attend_row<scalar_t, 0>;
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = first[begin]; item < first[end]; ++item) {
+        const int64_t t = item / parts, g = item % parts * part_heads;
+        const auto [lo, hi] = key_range(t);
         const int64_t head = t * num_heads + g * group;
-        auto attend = D == 64    ? attend_row<scalar_t, 64>
-                      : D == 128 ? attend_row<scalar_t, 128>
-                                 : attend_row<scalar_t, 0>;
-        attend(q + head * D, k_base + g * D, v_base + g * D, tables + s * max_blocks, lo,
-               pos + 1, block_size, kv_heads * D, part_heads, group, D,
-               static_cast<float>(scale), o + head * D);
+        attend(q + head * D, k_base + g * D, v_base + g * D,
+               tables + token_seq[t] * max_blocks, lo, hi, block_size, kv_heads * D,
+               part_heads, group, D, static_cast<float>(scale), o + head * D);
       }
     });
   });
