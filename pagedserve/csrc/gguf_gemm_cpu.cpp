@@ -260,7 +260,8 @@ void tile_rows(const uint8_t* tile, int64_t lane_offset, const ActivationBlocks&
     Format::quants(blk + Format::kScaleBytes, lane_offset, w);
     for (int m = 0; m < MT; ++m) {
       const int64_t i = (m0 + m) * nb + b;
-      const auto* a4 = reinterpret_cast<const int32_as_bytes*>(a.q.data() + (m0 + m) * K + b * kBlock);
+      const auto* a4 =
+          reinterpret_cast<const int32_as_bytes*>(a.q.data() + (m0 + m) * K + b * kBlock);
       const Lanes::I dots = Format::dot(w, a4, a.sum[i]);
       acc[m] = Lanes::fma(Lanes::cvt(dots), Lanes::mul(d, a.d[i]), acc[m]);
       if (Format::kHasMin) acc[m] = Lanes::fma(mins, a.s[i], acc[m]);
