@@ -190,6 +190,14 @@ struct Lanes {
 
 #if defined(PAGEDSERVE_A8_AVX512) || defined(PAGEDSERVE_A8_AVX2)
 
+// Per lane, the sum over k of register w[k]'s 4 unsigned bytes times activation quants
+// 4k..4k+3: a block's integer dot products for the tile's rows.
+inline Lanes::I dot_u8_block(const Lanes::I w[8], const int32_as_bytes* a4) {
+  Lanes::I acc = Lanes::zero();
+  for (int k = 0; k < 8; ++k) acc = Lanes::dot_u8(acc, w[k], a4[k]);
+  return acc;
+}
+
 // A block's quants of kRows rows as 8 registers, register k pairing with activation
 // quants 4k..4k+3, and the block's integer dot products with one row of activations.
 struct Q4_1 : Q4_1Layout {
@@ -201,9 +209,7 @@ struct Q4_1 : Q4_1Layout {
     }
   }
   static inline Lanes::I dot(const Lanes::I w[8], const int32_as_bytes* a4, int32_t) {
-    Lanes::I acc = Lanes::zero();
-    for (int k = 0; k < 8; ++k) acc = Lanes::dot_u8(acc, w[k], a4[k]);
-    return acc;
+    return dot_u8_block(w, a4);
   }
 };
 
@@ -216,9 +222,7 @@ struct Q8_0 : Q8_0Layout {
       w[c] = Lanes::flip_sign_bits(Lanes::load(qs + c * 4 * kTileRows + lane_offset));
   }
   static inline Lanes::I dot(const Lanes::I w[8], const int32_as_bytes* a4, int32_t asum) {
-    Lanes::I acc = Lanes::zero();
-    for (int k = 0; k < 8; ++k) acc = Lanes::dot_u8(acc, w[k], a4[k]);
-    return Lanes::add(acc, -128 * asum);
+    return Lanes::add(dot_u8_block(w, a4), -128 * asum);
   }
 };
 #else
@@ -232,7 +236,8 @@ struct Q8_0 : Q8_0Layout {
     Lanes::I acc = Lanes::zero();
     for (int k = 0; k < 8; ++k) {
       const Lanes::I a = _mm256_set1_epi32(a4[k]);
-      const Lanes::I p = _mm256_maddubs_epi16(_mm256_sign_epi8(w[k], w[k]), _mm256_sign_epi8(a, w[k]));
+      const Lanes::I p =
+          _mm256_maddubs_epi16(_mm256_sign_epi8(w[k], w[k]), _mm256_sign_epi8(a, w[k]));
       acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
     }
     return acc;
