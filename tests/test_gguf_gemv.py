@@ -26,6 +26,7 @@ from pagedserve.models.gguf_loader import (
 from pagedserve.models.quant import (
     KERNEL_TYPES,
     MAX_ROWS,
+    PACKED_MIN_ROWS,
     GGUFWeight,
     Linear,
     linear,
@@ -168,23 +169,25 @@ def test_linear_from_blocks_in_half_precision(dtype):
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs PyTorch's MKL")
 def test_packed_weights_equal_f_linear_bit_for_bit():
-    """The MKL-packed weight (packed once, for 64 rows) serves every step of more than
-    MAX_ROWS rows, whatever its row count, with F.linear's exact result; smaller steps and
+    """The MKL-packed weight (packed once, for 64 rows) serves every step of PACKED_MIN_ROWS
+    rows or more, whatever its row count, with F.linear's exact result; smaller steps and
     autograd leave it unused."""
     gen = torch.Generator().manual_seed(5)
     weight, bias = torch.randn(300, 96, generator=gen), torch.randn(300, generator=gen)
     packed = quant_module.pack_weight(weight)
     with torch.no_grad():
-        for rows in (MAX_ROWS + 1, 37, 64, 200):
+        for rows in (PACKED_MIN_ROWS, 37, 64, MAX_ROWS + 1, 200):
             x = torch.randn(rows, 96, generator=gen)
             assert torch.equal(linear(x, weight, bias, packed=packed), F.linear(x, weight, bias))
         x3 = torch.randn(2, 20, 96, generator=gen)  # leading dimensions kept
         assert torch.equal(linear(x3, weight, None, packed=packed), F.linear(x3, weight))
         zeros = torch.zeros_like(weight)  # a packed zero weight shows which path ran
         packed_zeros = quant_module.pack_weight(zeros)
-        small = torch.randn(MAX_ROWS, 96, generator=gen)
+        small = torch.randn(PACKED_MIN_ROWS - 1, 96, generator=gen)
         assert linear(small, weight, None, packed=packed_zeros).abs().sum() > 0
-    big = torch.randn(MAX_ROWS + 1, 96, generator=gen)
+        enough = torch.randn(PACKED_MIN_ROWS, 96, generator=gen)
+        assert linear(enough, weight, None, packed=packed_zeros).abs().sum() == 0
+    big = torch.randn(PACKED_MIN_ROWS, 96, generator=gen)
     assert linear(big, weight, None, packed=packed_zeros).abs().sum() > 0  # autograd on
 
 

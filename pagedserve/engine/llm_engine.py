@@ -29,6 +29,7 @@ from pagedserve.models.loader import iter_weights, load_config, resolve_model_pa
 from pagedserve.models.quant import (
     KERNEL_TYPES,
     MAX_ROWS,
+    PACKED_MIN_ROWS,
     attach_gguf_weights,
     pack_model_weights,
     packing_available,
@@ -100,8 +101,8 @@ def load_model(args: EngineArgs, hf_config, model_path, device: str, dtype: torc
     if args.quantization == "int8":
         logger.info("%d weights quantized to int8 (W8A8)", quantize_model(inner))
     if packing_available(device, dtype):
-        logger.info("%d weights packed for MKL (steps of > %d tokens)",
-                    pack_model_weights(inner), MAX_ROWS)
+        logger.info("%d weights packed for MKL (steps of >= %d tokens)",
+                    pack_model_weights(inner), PACKED_MIN_ROWS)
     return model.eval()
 
 

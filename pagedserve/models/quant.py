@@ -46,6 +46,11 @@ KERNEL_TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 # 1 / 16 / 32 / 64 rows; the AVX2 path against MKL limited to AVX2: 34 vs 59 ms at 16
 # rows, 145 vs 150 at 64 (benchmarks/README.md).
 MAX_ROWS = 64
+# Fewest rows computed from an MKL-packed float32 weight (pack_weight); fewer go to F.linear,
+# whose small-M path the packed SGEMM does not reproduce bit for bit. Not tied to MAX_ROWS:
+# a float weight without GGUF blocks (--quantization none, int8's down_proj) needs the packed
+# one at 17-64 rows too (int8's decode step spent 26 ms in an unpacked down_proj at 35 rows).
+PACKED_MIN_ROWS = 17
 QUANTIZATION_CHOICES = ("gguf", "int8", "none")
 # Output columns per torch.mm for wider CPU weights. Measured on an AVX2 Zen 3 with 2
 # threads, MKL 2024.2, K = 576: N = 49,152 runs at 62 / 83 / 93 GFLOP/s whole and
@@ -94,21 +99,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``, ``[..., K] -> [..., N]``: by ``int8_linear`` for an
     ``Int8Weight`` quant (then ``weight`` is unused); from ``quant`` (the same weight as GGUF
     blocks) when x has at most ``MAX_ROWS`` rows; else from ``packed`` (``pack_weight``)
-    without autograd; else by ``column_chunked_mm`` for a CPU weight wider than
-    ``COLUMN_CHUNK`` without autograd."""
+    for ``PACKED_MIN_ROWS`` rows or more without autograd; else by ``column_chunked_mm``
+    for a CPU weight wider than ``COLUMN_CHUNK`` without autograd."""
     if isinstance(quant, Int8Weight):
         return int8_linear(x, quant, bias)
     rows = x.numel() // x.shape[-1]
-    if packed is not None and rows > MAX_ROWS and not torch.is_grad_enabled():
-        # Told the step's own row count, MKL computes from the packed weight (told another,
-        # PyTorch silently falls back to an unpacked GEMM).
-        out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed, weight, bias, rows)
-        return out.view(*x.shape[:-1], -1)
     if quant is not None and rows <= MAX_ROWS:
         # The kernel takes float32; bfloat16 / float16 rows are few here, so converting
         # them costs little next to reading the weights (a no-op in float32).
         out = torch.ops.pagedserve.ggml_mul_mat_a8(quant.qweight, x.reshape(rows, -1).float(),
                                                    int(quant.qtype)).to(x.dtype)
+    elif packed is not None and rows >= PACKED_MIN_ROWS and not torch.is_grad_enabled():
+        # Told the step's own row count, MKL computes from the packed weight (told another,
+        # PyTorch silently falls back to an unpacked GEMM).
+        out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed, weight, bias, rows)
+        return out.view(*x.shape[:-1], -1)
     elif weight.shape[0] > COLUMN_CHUNK and weight.is_cpu and not torch.is_grad_enabled():
         out = column_chunked_mm(x.reshape(rows, -1), weight)
     else:
@@ -139,8 +144,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     (``cblas_sgemm_pack``, through ``torch.ops.mkl``; inductor's ``freezing`` does the same).
 
     Why: ``F.linear`` lets MKL pack the weight on every call; packed once, the shared
-    workload ran 1.21x faster (1.7x on a 32-request run; ``benchmarks/README.md``), results
-    bit-equal to ``F.linear`` from ``MAX_ROWS`` rows up (tested). The price is memory:
+    workload ran 1.21x faster (1.7x on a 32-request run; ``benchmarks/README.md``). From
+    ``PACKED_MIN_ROWS`` rows up the result is as close to float64 as ``F.linear``'s and on
+    many shapes bit-equal to it (tested on one), not on all: SmolLM2's down_proj (K = 1536)
+    differs in the last bit at 57-128 rows, a different summation order. The price is memory:
     PyTorch allocates 2-9x the weight's bytes for the packed buffer, of which fewer pages
     are touched (SmolLM2-135M in float32: peak RSS 1.03 -> 1.51 GB)."""
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 64)
@@ -148,7 +155,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_model_weights(model: nn.Module) -> int:
     """Pack every float ``Linear`` weight of ``model`` (and its tied LM head) for steps of
-    more than ``MAX_ROWS`` rows; int8 layers are left alone. Returns the number packed."""
+    ``PACKED_MIN_ROWS`` rows or more (GGUF blocks, where a layer has them, take steps of up
+    to ``MAX_ROWS``); int8 layers are left alone. Returns the number packed."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and not isinstance(module.quant, Int8Weight):
@@ -166,7 +174,7 @@ class Linear(nn.Linear):
     weight (``int8.quantize_model``); see ``linear``."""
 
     quant: GGUFWeight | Int8Weight | None = None
-    packed: torch.Tensor | None = None  # pack_weight(weight), for steps of > MAX_ROWS rows
+    packed: torch.Tensor | None = None  # pack_weight(weight), see linear()
 
     def reset_parameters(self) -> None:
         """No random initialization: ``load_weights`` overwrites every weight (and raises
