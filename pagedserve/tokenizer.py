@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -43,13 +44,24 @@ def load_tokenizer(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
         return transformers.AutoTokenizer.from_pretrained(path)
     cached = cache_dir() / "tokenizers" / _cache_key(path)
     if (cached / "tokenizer_config.json").is_file():
-        return transformers.AutoTokenizer.from_pretrained(cached)
+        return _load_cached(cached)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     try:
         _save_atomically(tokenizer, cached)
     except OSError as err:  # the cache is best effort
         logger.warning("could not cache the tokenizer in %s: %s", cached, err)
     return tokenizer
+
+
+def _load_cached(cached: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
+    """The class saved in ``tokenizer_config.json`` loads the entry; AutoTokenizer does the
+    same, but looking a name up first imports transformers' whole model registry (0.7 s of
+    a 5 s start-up), so the generic ``TokenizersBackend`` (what SmolLM2's GGUF tokenizer
+    converts to) is loaded directly and only other classes go through AutoTokenizer."""
+    saved = json.loads((cached / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if saved.get("tokenizer_class") == transformers.TokenizersBackend.__name__:
+        return transformers.TokenizersBackend.from_pretrained(cached)
+    return transformers.AutoTokenizer.from_pretrained(cached)
 
 
 def _save_atomically(tokenizer: transformers.PreTrainedTokenizerBase, dest: pathlib.Path) -> None:

@@ -16,7 +16,7 @@ Q = gguf.GGMLQuantizationType
 CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
                  "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
-                 "eos_token_id")
+                 "eos_token_id", "hidden_act", "mlp_bias", "model_type")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
 from gguf import GGUFValueType as VT
 from gguf.quants import dequantize, quant_shape_to_byte_shape
-from transformers import Gemma3TextConfig, LlamaConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -201,9 +201,9 @@ def _architecture(header: GGUFHeader, path: pathlib.Path) -> str:
 
 
 def gguf_config(path: pathlib.Path, header: GGUFHeader | None = None) -> PretrainedConfig:
-    """Build a transformers config (LlamaConfig or Gemma3TextConfig) from GGUF metadata
-    (keys as written by llama.cpp's convert_hf_to_gguf.py / gguf.constants.Keys). Raises
-    ValueError for architectures other than SUPPORTED_ARCHITECTURES."""
+    """Build a transformers config (a LlamaConfig's fields, or a Gemma3TextConfig) from GGUF
+    metadata (keys as written by llama.cpp's convert_hf_to_gguf.py / gguf.constants.Keys).
+    Raises ValueError for architectures other than SUPPORTED_ARCHITECTURES."""
     header = header or read_header(path)
     arch = _architecture(header, path)
     md = header.metadata
@@ -237,16 +237,30 @@ def gguf_config(path: pathlib.Path, header: GGUFHeader | None = None) -> Pretrai
     if "rope_freqs.weight" in names:
         logger.warning("%s: ignoring rope_freqs.weight (llama3-style rope factors are not "
                        "reconstructed)", path)
-    return LlamaConfig(rope_parameters=rope, **common)
+    return _llama_config(common, rope)
 
 
-def _gemma3_config(get, common: dict[str, Any], rope: dict[str, Any]) -> Gemma3TextConfig:
+def _llama_config(common: dict[str, Any], rope: dict[str, Any]) -> PretrainedConfig:
+    """A ``PretrainedConfig`` with the fields of a ``LlamaConfig`` (its defaults for those
+    GGUF does not carry), usable by transformers' ``LlamaForCausalLM`` as is. Why
+    not a ``LlamaConfig``: importing it pulls in transformers' model-loading stack
+    (``torch.distributed.tensor``, sympy), 1.1 s of a 5 s start-up."""
+    config = PretrainedConfig(hidden_act="silu", mlp_bias=False, attention_dropout=0.0,
+                              initializer_range=0.02, pretraining_tp=1,
+                              rope_parameters=rope, **common)
+    config.model_type = "llama"
+    return config
+
+
+def _gemma3_config(get, common: dict[str, Any], rope: dict[str, Any]) -> PretrainedConfig:
     """Gemma 3 as llama.cpp runs it: every 6th layer global, local layers with rope base
     10000 and no scaling, softmax scale 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer
     27B model)."""
     scalar = common["head_dim"]
     if common["num_hidden_layers"] == 62:
         scalar = common["hidden_size"] // common["num_attention_heads"]
+    from transformers import Gemma3TextConfig
+
     return Gemma3TextConfig(
         sliding_window=get("attention.sliding_window"),
         query_pre_attn_scalar=scalar,

@@ -20,7 +20,13 @@ from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
 from pagedserve.models.int8 import Int8Weight
-from pagedserve.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, activation
+from pagedserve.models.layers import (
+    Embedding,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    activation,
+)
 from pagedserve.models.loader import rope_scaling, rope_theta
 from pagedserve.models.quant import GGUFWeight, Linear, linear
 
@@ -198,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_scale: float | None = None
         self.final_logit_softcapping: float | None = None
         self._rotaries: dict[tuple, RotaryEmbedding] = {}
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.make_layer(i, backend) for i in range(config.num_hidden_layers)
         )

@@ -97,8 +97,8 @@ def gemma3_270m_path() -> pathlib.Path:
 
 
 def load_config(path: pathlib.Path) -> transformers.PretrainedConfig:
-    """Model config: AutoConfig for a HF directory; for GGUF, a LlamaConfig or
-    Gemma3TextConfig built from the file's metadata in ~0.1 s (ValueError if its
+    """Model config: AutoConfig for a HF directory; for GGUF, a LlamaConfig's fields or
+    a Gemma3TextConfig built from the file's metadata in ~0.1 s (ValueError if its
     architecture is not supported)."""
     path = pathlib.Path(path)
     if _is_gguf(path):
