@@ -8,10 +8,16 @@
 //   x = rms_norm(h); q, k, v = split(x @ Wqkv^T); rotary(q, k); cache <- k, v
 //   h += paged_attention(q, cache) @ Wo^T
 //   x = rms_norm(h); gate, up = split(x @ Wgate_up^T); h += (silu(gate) * up) @ Wdown^T
-// Every projection is a GGUF block weight (ggml_mul_mat_a8); any float dtype.
+// Each projection W as its layer holds it (quant.linear): GGUF blocks (ggml_mul_mat_a8),
+// int8 rows (int8_linear: per-token quantization, torch._int_mm, scales), or a float weight
+// (MKL's packed copy from PACKED_MIN_ROWS rows, column slices above COLUMN_CHUNK outputs,
+// else F.linear); any float dtype.
 
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 // The kernels this calls, defined in the other csrc files.
@@ -25,46 +31,93 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
                      torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor out,
                      double scale, int64_t window);
 torch::Tensor ggml_mul_mat_a8(torch::Tensor qweight, torch::Tensor x, int64_t qweight_type);
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows_int8(torch::Tensor x);
+torch::Tensor int8_scaled_mm_epilogue(torch::Tensor acc, torch::Tensor x_scale,
+                                      torch::Tensor w_scale, std::optional<torch::Tensor> bias,
+                                      at::ScalarType dtype);
 
 namespace {
 
-constexpr int64_t kTensorsPerLayer = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
+// Per layer: input norm, qkv (2 tensors), o (2), post-attention norm, gate_up (2), down (2).
+constexpr int64_t kTensorsPerLayer = 10;
+// A projection's kind (models/cpu_decode.py): a GGUF type id (>= 0), or one of these.
+constexpr int64_t kInt8 = -1, kFloat = -2;
 
-// x [T, K] @ W^T from W's GGUF blocks; the kernel takes and gives float32 rows, as in
-// quant.linear (no-op casts in float32).
-torch::Tensor project(const torch::Tensor& qweight, const torch::Tensor& x, int64_t qtype) {
-  return ggml_mul_mat_a8(qweight, x.to(at::kFloat), qtype).to(x.scalar_type());
+struct FloatPaths {  // quant.PACKED_MIN_ROWS, quant.COLUMN_CHUNK
+  int64_t packed_min_rows, column_chunk;
+};
+
+// mkl::_mkl_linear(x, packed, weight, None, rows), the op quant.linear calls (not in ATen's
+// C++ API: PyTorch registers it under the mkl namespace).
+torch::Tensor mkl_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                         const torch::Tensor& weight) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkl::_mkl_linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, int64_t)>();
+  return op.call(x, packed, weight, std::nullopt, x.size(0));
+}
+
+// x [T, K] @ W^T as quant.linear computes it for this layer. a, b: GGUF blocks and an empty
+// tensor; int8 rows [N, K] and their float32 scales [N]; a float weight [N, K] and its
+// MKL-packed copy (empty if none).
+torch::Tensor project(const torch::Tensor& a, const torch::Tensor& b, int64_t kind,
+                      const torch::Tensor& x, const FloatPaths& paths) {
+  if (kind == kInt8) {
+    auto [q, scale] = quantize_rows_int8(x);
+    return int8_scaled_mm_epilogue(at::_int_mm(q, a.t()), scale, b, std::nullopt,
+                                   x.scalar_type());
+  }
+  if (kind == kFloat) {
+    const int64_t T = x.size(0), N = a.size(0);
+    if (b.numel() > 0 && T >= paths.packed_min_rows) return mkl_linear(x, b, a);
+    if (N <= paths.column_chunk) return at::linear(x, a);
+    auto out = torch::empty({T, N}, x.options());  // quant.column_chunked_mm
+    for (int64_t start = 0; start < N; start += paths.column_chunk) {
+      const int64_t width = std::min(paths.column_chunk, N - start);
+      auto slice = out.narrow(1, start, width);
+      at::mm_out(slice, x, a.narrow(0, start, width).t());
+    }
+    return out;
+  }
+  // The GGUF kernel takes and gives float32 rows (no-op casts in float32).
+  return ggml_mul_mat_a8(a, x.to(at::kFloat), kind).to(x.scalar_type());
 }
 
 }  // namespace
 
 // hidden [T, hidden_size] (the model's dtype), updated in place. weights: per layer, in
-// order, the input norm's weight, qkv_proj's blocks, o_proj's, the post-attention norm's
-// weight, gate_up_proj's, down_proj's; qtypes: per layer the four projections' GGUF types.
-// kv_caches, windows (0: none): per layer. The index tensors are AttentionMetadata's for
-// a step whose sequences are all decodes. Raises (RuntimeError) on inconsistent lengths.
+// order, the input norm's weight, qkv_proj's two tensors (see project), o_proj's, the
+// post-attention norm's weight, gate_up_proj's, down_proj's; kinds: per layer the four
+// projections' kinds. kv_caches, windows (0: none): per layer. The index tensors are
+// AttentionMetadata's for a step whose sequences are all decodes. packed_min_rows,
+// column_chunk: quant.linear's thresholds for float weights. Raises (RuntimeError) on
+// inconsistent lengths.
 void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
-                         std::vector<torch::Tensor> weights, std::vector<int64_t> qtypes,
+                         std::vector<torch::Tensor> weights, std::vector<int64_t> kinds,
                          std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,
                          torch::Tensor slot_mapping, torch::Tensor block_tables,
                          torch::Tensor seq_lens, torch::Tensor query_start_loc,
                          torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                         int64_t packed_min_rows, int64_t column_chunk) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kTensorsPerLayer * layers &&
-                  static_cast<int64_t>(qtypes.size()) == 4 * layers &&
+                  static_cast<int64_t>(kinds.size()) == 4 * layers &&
                   static_cast<int64_t>(windows.size()) == layers,
-              "llama_decode_layers: 6 weights, 4 qtypes and 1 window per layer");
+              "llama_decode_layers: 10 weights, 4 kinds and 1 window per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
               "llama_decode_layers: hidden must be a contiguous [T, hidden_size]");
   const int64_t T = hidden.size(0), q_size = num_heads * head_dim;
   const int64_t kv_size = num_kv_heads * head_dim;
+  const FloatPaths paths{packed_min_rows, column_chunk};
   auto x = torch::empty_like(hidden);
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + kTensorsPerLayer * l;
-    const int64_t* types = qtypes.data() + 4 * l;
+    const int64_t* kind = kinds.data() + 4 * l;
     rms_norm(x, hidden, w[0], eps);
-    const auto qkv = project(w[1], x, types[0]);
+    const auto qkv = project(w[1], w[2], kind[0], x, paths);
     auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -73,12 +126,12 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
     auto attn = torch::empty({T, num_heads, head_dim}, hidden.options());
     paged_attention(q.contiguous(), kv_caches[l], block_tables, seq_lens, query_start_loc, attn,
                     scale, windows[l]);
-    hidden.add_(project(w[2], attn.view({T, q_size}), types[1]));
-    rms_norm(x, hidden, w[3], eps);
-    const auto gate_up = project(w[4], x, types[2]);
+    hidden.add_(project(w[3], w[4], kind[1], attn.view({T, q_size}), paths));
+    rms_norm(x, hidden, w[5], eps);
+    const auto gate_up = project(w[6], w[7], kind[2], x, paths);
     const int64_t inter = gate_up.size(1) / 2;
     const auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
-    hidden.add_(project(w[5], act, types[3]));
+    hidden.add_(project(w[8], w[9], kind[3], act, paths));
   }
 }
 

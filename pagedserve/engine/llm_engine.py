@@ -94,7 +94,6 @@ def load_model(args: EngineArgs, hf_config, model_path, device: str, dtype: torc
             count = attach_gguf_weights(model, iter_gguf_blocks(model_path, KERNEL_TYPES))
             logger.info("%d weights also kept as GGUF blocks for steps of <= %d tokens",
                         count, MAX_ROWS)
-            model.cpu_decode = CpuDecodeLayers.build(model)
     else:
         raise ValueError(f"load_format must be auto or dummy; got {args.load_format!r}")
     inner = model if group is None else model.model
@@ -103,6 +102,8 @@ def load_model(args: EngineArgs, hf_config, model_path, device: str, dtype: torc
     if packing_available(device, dtype):
         logger.info("%d weights packed for MKL (steps of >= %d tokens)",
                     pack_model_weights(inner), PACKED_MIN_ROWS)
+    if group is None:  # its layers, not the tensor-parallel ones with their all-reduces
+        model.cpu_decode = CpuDecodeLayers.build(model)
     return model.eval()
 
 

@@ -7,10 +7,13 @@ kernels in the same order, so its result is bit-equal to the Python layers (test
 the CPU's counterpart of replaying a captured CUDA graph for decodes.
 
 It applies to models whose every layer is a plain ``LlamaDecoderLayer`` (RMSNorm, no
-biases, no q/k norm, full-width neox rotary, SiLU) with GGUF block weights on all four
-projections (``quant.attach_gguf_weights``), with the C++ attention backend, in any
-dtype; and to steps of at most ``quant.MAX_ROWS`` tokens that are all decodes. Other
-models and steps run the Python layers.
+biases, no q/k norm, full-width neox rotary, SiLU), with the C++ attention backend, in any
+dtype, whatever holds each projection's weight: GGUF blocks (``quant.attach_gguf_weights``),
+int8 rows (``--quantization int8``) or the float weight (``--quantization none``, int8's
+``down_proj``), each multiplied as ``quant.linear`` does; and to steps of at most
+``quant.MAX_ROWS`` tokens that are all decodes. Other models and steps run the Python
+layers. Measured on the shared workload (35 rows a step on average): the step's Python
+took 14 of 101 ms with GGUF weights (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ import torch.nn.functional as F
 from pagedserve.attention import AttentionMetadata
 from pagedserve.attention.cpu_attn import CpuAttention
 from pagedserve.models import quant
+from pagedserve.models.int8 import Int8Weight
 from pagedserve.models.layers import RMSNorm
+
+# A projection's kind in llama_decode_layers, besides a GGUF type id (>= 0).
+KIND_INT8, KIND_FLOAT = -1, -2
+_NONE = torch.empty(0)  # the second tensor of a projection that has none
 
 
 class CpuDecodeLayers:
@@ -35,14 +43,14 @@ class CpuDecodeLayers:
         self.eps = model.layers[0].input_layernorm.eps
         self.rotary = attn.rotary
         self.weights: list[torch.Tensor] = []
-        self.qtypes: list[int] = []
+        self.kinds: list[int] = []
         self.windows = [layer.self_attn.attn.sliding_window or 0 for layer in model.layers]
         for layer in model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            self.weights += [layer.input_layernorm.weight.detach(), a.qkv_proj.quant.qweight,
-                             a.o_proj.quant.qweight, layer.post_attention_layernorm.weight.detach(),
-                             mlp.gate_up_proj.quant.qweight, mlp.down_proj.quant.qweight]
-            self.qtypes += [int(p.quant.qtype) for p in _projections(layer)]
+            qkv, o, gate_up, down = (_held(p) for p in _projections(layer))
+            self.weights += [layer.input_layernorm.weight.detach(), *qkv[:2], *o[:2],
+                             layer.post_attention_layernorm.weight.detach(), *gate_up[:2],
+                             *down[:2]]
+            self.kinds += [qkv[2], o[2], gate_up[2], down[2]]
 
     @classmethod
     def build(cls, model) -> CpuDecodeLayers | None:
@@ -59,7 +67,7 @@ class CpuDecodeLayers:
                     and a.rotary is model.layers[0].self_attn.rotary
                     and a.rotary.rotary_dim == a.head_dim and not a.rotary.interleaved
                     and isinstance(a.attn.backend, CpuAttention)
-                    and all(isinstance(p.quant, quant.GGUFWeight) and p.bias is None
+                    and all(p.bias is None and isinstance(p, quant.Linear)
                             for p in _projections(layer)))
 
         if len(model.layers) and all(qualifies(layer) for layer in model.layers):
@@ -75,11 +83,20 @@ class CpuDecodeLayers:
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden_size]`` after every layer (updated in place)."""
         torch.ops.pagedserve.llama_decode_layers(
-            hidden, positions, self.weights, self.qtypes, kv_caches, self.windows,
+            hidden, positions, self.weights, self.kinds, kv_caches, self.windows,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.rotary.cos, self.rotary.sin, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.eps, self.scale)
+            self.head_dim, self.eps, self.scale, quant.PACKED_MIN_ROWS, quant.COLUMN_CHUNK)
         return hidden
+
+
+def _held(p: quant.Linear) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A projection as llama_decode_layers takes it: two tensors and a kind."""
+    if isinstance(p.quant, quant.GGUFWeight):
+        return p.quant.qweight, _NONE, int(p.quant.qtype)
+    if isinstance(p.quant, Int8Weight):
+        return p.quant.qweight, p.quant.scale, KIND_INT8
+    return p.weight.detach(), _NONE if p.packed is None else p.packed, KIND_FLOAT
 
 
 def _projections(layer) -> list:
