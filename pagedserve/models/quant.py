@@ -46,10 +46,10 @@ KERNEL_TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 # 1 / 16 / 32 / 64 rows; the AVX2 path against MKL limited to AVX2: 34 vs 59 ms at 16
 # rows, 145 vs 150 at 64 (benchmarks/README.md).
 MAX_ROWS = 64
-# Fewest rows computed from an MKL-packed float32 weight (pack_weight); fewer go to F.linear,
-# whose small-M path the packed SGEMM does not reproduce bit for bit. Not tied to MAX_ROWS:
-# a float weight without GGUF blocks (--quantization none, int8's down_proj) needs the packed
-# one at 17-64 rows too (int8's decode step spent 26 ms in an unpacked down_proj at 35 rows).
+# Fewest rows computed from an MKL-packed float32 weight (pack_weight), the threshold it was
+# measured and tested with; smaller steps run F.linear. Not tied to MAX_ROWS: a float weight
+# without GGUF blocks (--quantization none, int8's down_proj) uses the packed one at 17-64
+# rows too, as before MAX_ROWS went from 16 to 64.
 PACKED_MIN_ROWS = 17
 QUANTIZATION_CHOICES = ("gguf", "int8", "none")
 # Output columns per torch.mm for wider CPU weights. Measured on an AVX2 Zen 3 with 2
