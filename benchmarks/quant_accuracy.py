@@ -2,7 +2,8 @@
 kernels (4-bit weights, 8-bit activations) and ``--quantization int8`` (W8A8).
 
 For each variant (float32 with dequantized weights, the GGUF kernels, int8 with and
-without the LM head in int8, optionally bfloat16) it prints:
+without the LM head in int8, optionally bfloat16, and optionally float32 and int8 over a
+bfloat16 KV cache, ``--kv-cache-dtype bfloat16``) it prints:
 
 - perplexity of the bundled model on MT-Bench's GPT-4 reference answers (30 questions, turn
   1, chat-formatted with the tokenizer's template; only the answer tokens are scored), from
@@ -12,7 +13,8 @@ without the LM head in int8, optionally bfloat16) it prints:
   reference answers, ids 81-100 and 131-160): the fraction of prompts whose first k
   generated tokens all equal float32's, for k = 1, 8, 32, and the mean common prefix length.
 
-    PYTHONPATH=. python benchmarks/quant_accuracy.py [--model PATH] [--bf16] [--chats 50]
+    PYTHONPATH=. python benchmarks/quant_accuracy.py [--model PATH] [--bf16] [--kv-bf16]
+        [--chats 50]
 
 The GGUF kernels serve steps of up to ``MAX_ROWS`` tokens only, so a prompt's scoring (one
 prefill) would not reach them: for that variant ``MAX_ROWS`` is raised while scoring, so
@@ -90,10 +92,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def make_llm(model: str | None, variant: str) -> LLM:
     """One engine per variant: "float32" (dequantized weights, no GGUF kernels), "gguf"
-    (the default), "int8", "int8-fp32-head" (the tied LM head left in float32), "bfloat16"."""
+    (the default), "int8", "int8-fp32-head" (the tied LM head left in float32), "bfloat16";
+    a "+kv-bf16" suffix: over a bfloat16 KV cache."""
+    variant, _, kv = variant.partition("+")
     dtype = "bfloat16" if variant == "bfloat16" else "float32"
     quant = "int8" if variant.startswith("int8") else "gguf" if variant == "gguf" else "none"
-    llm = LLM(model, dtype=dtype, quantization=quant, max_model_len=2048)
+    llm = LLM(model, dtype=dtype, quantization=quant, max_model_len=2048,
+              kv_cache_dtype="bfloat16" if kv == "kv-bf16" else "auto")
     if variant == "int8-fp32-head":
         llm.engine.model.tied_lm_head_quant = None  # back to the float32 embedding
     return llm
@@ -105,10 +110,16 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DATA, help="folder of the MT-Bench files")
     parser.add_argument("--chats", type=int, default=50, help="held-out chat prompts (<= 50)")
     parser.add_argument("--bf16", action="store_true", help="also measure bfloat16")
+    parser.add_argument("--kv-bf16", action="store_true",
+                        help="also measure float32 and int8 over a bfloat16 KV cache")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="only these variants (float32 first: it is the reference)")
     args = parser.parse_args()
     pairs, held_out = load_texts(args.data)
     chats = held_out[: args.chats]
-    variants = ["float32", "gguf", "int8", "int8-fp32-head"] + (["bfloat16"] if args.bf16 else [])
+    variants = args.variants or (
+        ["float32", "gguf", "int8", "int8-fp32-head"] + (["bfloat16"] if args.bf16 else [])
+        + (["float32+kv-bf16", "int8+kv-bf16"] if args.kv_bf16 else []))
     base_lps = base_tokens = None
     print(f"{'variant':16s} {'ppl':>8s} {'vs fp32':>8s} {'max|dlp|':>9s} "
           f"{'agree@1':>8s} {'agree@8':>8s} {'agree@32':>9s} {'mean prefix':>12s}")

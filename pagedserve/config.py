@@ -54,6 +54,22 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# --kv-cache-dtype values (vLLM's names) other than auto; vLLM's fp8 variants are not offered.
+_KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: ``auto`` is the model's; ``bfloat16`` halves a float32
+    model's cache bytes (attention still computes in float32: K and V are widened as they
+    are read, so only their storage is rounded). Raises ``ValueError`` for another name."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_KV_CACHE_DTYPES)}; "
+                         f"got {kv_cache_dtype!r}")
+    return _KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 def resolve_device(device: str) -> str:
     """``auto`` -> ``cuda`` when available, else ``cpu``. Raises ``ValueError`` otherwise."""
     if device == "auto":

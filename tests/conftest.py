@@ -91,13 +91,15 @@ def chat_prompts(llm):
     ]
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None,
+              cache=None) -> list[int]:
     """Greedy continuation by a plain argmax loop over the reference model's logits
-    (with its own KV cache); stops after eos unless eos_token_id is None."""
+    (with its own KV cache, a fresh ``DynamicCache`` unless given); stops after eos unless
+    eos_token_id is None."""
     from transformers import DynamicCache
 
     out: list[int] = []
-    cache = DynamicCache()
+    cache = DynamicCache() if cache is None else cache
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         for _ in range(max_new_tokens):

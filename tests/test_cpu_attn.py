@@ -89,3 +89,25 @@ def test_kernel_bfloat16():
     out = CpuAttention().forward(query, kv_cache, meta, 0.125)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", [CpuAttention, TorchAttention])
+def test_bfloat16_cache_under_float32_query(case, backend, two_threads):
+    """--kv-cache-dtype bfloat16: attention over the bf16 cache equals float32 attention
+    over the same values widened (only the storage is rounded)."""
+    q_lens, contexts, heads, kv_heads, head_dim, bs, window = case
+    query, kv_cache, meta = make_batch(q_lens, contexts, heads, kv_heads, head_dim, bs)
+    kv_cache = kv_cache.to(torch.bfloat16)
+    ref = ReferenceAttention().forward(query, kv_cache.float(), meta, head_dim**-0.5, window)
+    out = backend().forward(query, kv_cache, meta, head_dim**-0.5, window)
+    assert out.dtype == torch.float32
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_kernel_refuses_a_cache_of_another_dtype():
+    query, kv_cache, meta = make_batch([1], [20], 4, 2, 32, 16)
+    out = torch.empty_like(query)
+    with pytest.raises(RuntimeError, match="query's dtype or bfloat16"):
+        CpuAttention().ops.paged_attention(query, kv_cache.half(), meta.block_tables,
+                                           meta.seq_lens, meta.query_start_loc, out, 0.3, 0)

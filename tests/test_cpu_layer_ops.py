@@ -62,3 +62,20 @@ def test_reshape_and_cache_matches_index_copy_and_skips_negative_slots():
     before = cache.clone()
     OPS.reshape_and_cache(key, value, cache, torch.full((tokens,), -1))
     assert torch.equal(cache, before)
+
+
+def test_reshape_and_cache_rounds_into_a_bfloat16_cache():
+    """--kv-cache-dtype bfloat16 under a float32 model: rows rounded as Tensor.to rounds."""
+    num_blocks, block_size, kv_heads, head_dim, tokens = 5, 4, 2, 16, 9
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    fused = torch.randn(tokens, 2 * kv_heads * head_dim) * 10
+    key = fused[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = fused[:, kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    OPS.reshape_and_cache(key, value, cache, slots)
+    k_rows = cache[0].view(-1, kv_heads, head_dim)[slots]
+    v_rows = cache[1].view(-1, kv_heads, head_dim)[slots]
+    assert torch.equal(k_rows, key.to(torch.bfloat16))
+    assert torch.equal(v_rows, value.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="dtype"):
+        OPS.reshape_and_cache(key, value, cache.half(), slots)

@@ -128,6 +128,24 @@ def test_prefill_small_tiles_many_programs(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_cache_under_float32_query(device):
+    """--kv-cache-dtype bfloat16: K/V rounded as they are written, widened as they are read."""
+    query, cache, meta = make_batch(MIXED, 4, 2, 3, 16, device)
+    cache = cache.to(torch.bfloat16)
+    ref = ReferenceAttention().forward(query, cache.float(), meta, 0.25)
+    out = TritonAttention(partition_size=16).forward(query, cache, meta, 0.25)
+    assert out.dtype == torch.float32
+    assert rel_err(out, ref) < 1e-3
+    key = torch.randn(meta.slot_mapping.shape[0], 2, 16, device=device)
+    TritonAttention().write_kv(key, key * 3, cache, meta)
+    # within one bfloat16 step (2^-7 relative): CUDA rounds to nearest even, Triton's
+    # interpreter truncates
+    written = cache.view(2, -1, 2, 16)[:, meta.slot_mapping].float()
+    torch.testing.assert_close(written[0], key, rtol=2**-7, atol=0)
+    torch.testing.assert_close(written[1], key * 3, rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_write_kv_matches_index_copy(device):
     num_kv_heads, head_dim, block_size = 3, 16, 4
     _, cache, meta = make_batch([(0, 1), (5, 1), (2, 6)], block_size, num_kv_heads, 1,

@@ -18,16 +18,20 @@ def write_kv_slots(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` into
-    ``kv_cache`` ``[2, num_blocks, block_size, kv_heads, head_dim]`` at ``slot_mapping``."""
+    ``kv_cache`` ``[2, num_blocks, block_size, kv_heads, head_dim]`` at ``slot_mapping``,
+    cast to the cache's dtype."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                               key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                               value.to(kv_cache.dtype))
 
 
 def gather_context(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[seq_len, kv_heads, head_dim]`` of one sequence, read through its block table."""
+    """K and V ``[seq_len, kv_heads, head_dim]`` of one sequence, read through its block
+    table (in the cache's dtype)."""
     num_blocks = -(-seq_len // block_size)
     ids = block_table[:num_blocks]
     shape = (-1,) + tuple(kv_cache.shape[3:])
@@ -98,6 +102,7 @@ class TorchAttention:
         for i in range(meta.num_decodes, meta.num_seqs):
             q_len, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
             key, value = gather_context(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
+            key, value = key.to(query.dtype), value.to(query.dtype)
             mask, causal = None, False
             if q_len == seq_len and sliding_window is None:
                 causal = True
@@ -126,8 +131,8 @@ class TorchAttention:
         max_len = max(meta.seq_lens_list[:nd])
         table = meta.block_tables[:nd, : -(-max_len // bs)]
         kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        key = kv_cache[0][table].view(nd, -1, kv_heads, head_dim)
-        value = kv_cache[1][table].view(nd, -1, kv_heads, head_dim)
+        key = kv_cache[0][table].view(nd, -1, kv_heads, head_dim).to(query.dtype)
+        value = kv_cache[1][table].view(nd, -1, kv_heads, head_dim).to(query.dtype)
         seq_lens = meta.seq_lens[:nd, None]
         k_pos = torch.arange(key.shape[1], device=query.device)[None, :]
         mask = context_mask(seq_lens - 1, k_pos, sliding_window) & (k_pos < seq_lens)

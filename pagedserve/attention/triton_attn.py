@@ -28,7 +28,9 @@ Three kernels behind the ``AttentionBackend`` interface:
 Keys are read token by token (``block_table[n // block_size]``), so a tile of ``TILE_N``
 keys may span several blocks, any block size works, and tiles need no alignment.
 All arithmetic is in float32 with base-2 exponentials; float32 inputs use IEEE dot
-products (no TF32), so the kernels match ``ReferenceAttention`` to ~1e-6.
+products (no TF32), so the kernels match ``ReferenceAttention`` to ~1e-6. A bfloat16
+cache under a float32 model (``--kv-cache-dtype bfloat16``) is widened to the query's
+dtype as it is loaded.
 
 The kernels are compiled for CUDA tensors, or interpreted on CPU tensors when
 ``TRITON_INTERPRET=1`` is set before this module is imported (slow; used by the tests).
@@ -141,14 +143,16 @@ def _decode_kernel(
         block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         off = block * stride_c_block + (n % BLOCK_SIZE) * stride_c_slot + kvh * stride_c_h
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [G_PAD, TILE_N]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))  # finite: every tile has a valid key
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + stride_c_kv + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + stride_c_kv + off[:, None] + d[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
@@ -247,7 +251,8 @@ def _prefill_kernel(
         block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         off = block * stride_c_block + (n % BLOCK_SIZE) * stride_c_slot + kvh * stride_c_h
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(cache_ptr + off[:, None] + d[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         allowed = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
@@ -258,7 +263,8 @@ def _prefill_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + stride_c_kv + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + stride_c_kv + off[:, None] + d[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 

@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -131,29 +132,49 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
 
 // key/value [T, KVH, D] (rows may be strided) -> kv_cache [2, num_blocks, block_size,
 // KVH, D] at slot_mapping [T] (block * block_size + offset; negative slots are skipped).
+// The cache has the rows' dtype (copied) or bfloat16 (rounded to nearest even, as
+// Tensor.to does).
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
                        torch::Tensor slot_mapping) {
-  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
-                  value.scalar_type() == kv_cache.scalar_type() && kv_cache.is_contiguous(),
-              "reshape_and_cache: key, value and a contiguous cache of one dtype");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() && kv_cache.is_contiguous() &&
+                  (kv_cache.scalar_type() == key.scalar_type() ||
+                   kv_cache.scalar_type() == at::kBFloat16),
+              "reshape_and_cache: key and value of one dtype, a contiguous cache of that "
+              "dtype or bfloat16");
   const int64_t T = key.size(0), row = key.size(1) * key.size(2);
   TORCH_CHECK(key.stride(1) == key.size(2) && key.stride(2) == 1 &&
                   value.stride(1) == value.size(2) && value.stride(2) == 1 &&
                   kv_cache.size(3) * kv_cache.size(4) == row,
               "reshape_and_cache: contiguous heads matching the cache's [KVH, D]");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t bytes = row * key.element_size();
-  char* k_base = static_cast<char*>(kv_cache.data_ptr());
-  char* v_base = k_base + kv_cache.stride(0) * kv_cache.element_size();
-  const char* k_src = static_cast<const char*>(key.data_ptr());
-  const char* v_src = static_cast<const char*>(value.data_ptr());
-  const int64_t k_stride = key.stride(0) * key.element_size();
-  const int64_t v_stride = value.stride(0) * value.element_size();
-  for (int64_t t = 0; t < T; ++t) {
-    if (slots[t] < 0) continue;
-    std::memcpy(k_base + slots[t] * bytes, k_src + t * k_stride, bytes);
-    std::memcpy(v_base + slots[t] * bytes, v_src + t * v_stride, bytes);
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "reshape_and_cache", [&] {
+    auto write = [&](auto* k_dst) {  // k_dst: the cache's K half, typed
+      auto* v_dst = k_dst + kv_cache.stride(0);
+      const scalar_t* k_src = key.data_ptr<scalar_t>();
+      const scalar_t* v_src = value.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        if (slots[t] < 0) continue;
+        const scalar_t* k = k_src + t * key.stride(0);
+        const scalar_t* v = v_src + t * value.stride(0);
+        auto* kd = k_dst + slots[t] * row;
+        auto* vd = v_dst + slots[t] * row;
+        using cache_t = std::remove_pointer_t<decltype(kd)>;
+        if constexpr (std::is_same_v<cache_t, scalar_t>) {
+          std::memcpy(kd, k, row * sizeof(scalar_t));
+          std::memcpy(vd, v, row * sizeof(scalar_t));
+        } else {
+          for (int64_t i = 0; i < row; ++i) {
+            kd[i] = static_cast<cache_t>(static_cast<float>(k[i]));
+            vd[i] = static_cast<cache_t>(static_cast<float>(v[i]));
+          }
+        }
+      }
+    };
+    if (kv_cache.scalar_type() == key.scalar_type())
+      write(kv_cache.data_ptr<scalar_t>());
+    else
+      write(kv_cache.data_ptr<c10::BFloat16>());
+  });
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {

@@ -5,7 +5,8 @@
 //
 // Layouts (see pagedserve/attention/backend.py):
 //   query       [num_tokens, num_heads, head_dim]
-//   kv_cache    [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
+//   kv_cache    [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V),
+//               the query's dtype or bfloat16 (--kv-cache-dtype bfloat16)
 //   block_tables[num_seqs, max_blocks] int64, seq_lens [num_seqs] int64,
 //   query_start_loc [num_seqs + 1] int64
 //   out         [num_tokens, num_heads, head_dim]
@@ -269,9 +270,11 @@ inline void prefetch_rows(const T* const* krows, const T* const* vrows, int64_t 
 }
 
 // kD: the head size when it is 64 or 128 (register-blocked loops), else 0 (any size).
-template <typename scalar_t, int kD>
+// scalar_t: the query's and output's dtype; cache_t: the KV cache's (the same, or
+// bfloat16 under --kv-cache-dtype bfloat16).
+template <typename scalar_t, typename cache_t, int kD>
 void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, these heads
-                const scalar_t* k_base, const scalar_t* v_base,  // at the first KV head
+                const cache_t* k_base, const cache_t* v_base,  // at the first KV head
                 const int64_t* table, int64_t lo, int64_t hi,  // keys [lo, hi)
                 int64_t block_size, int64_t token_stride, int64_t kv_heads, int64_t group,
                 int64_t head_dim, float scale, scalar_t* out) {
@@ -283,8 +286,8 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
   std::vector<float> qf(num_heads * D), acc(num_heads * D, 0.f);
   std::vector<float> m(num_heads, -INFINITY), l(num_heads, 0.f);
   alignas(64) float scores[kTileKeys];
-  const scalar_t* krows[2][kTileKeys];
-  const scalar_t* vrows[2][kTileKeys];
+  const cache_t* krows[2][kTileKeys];
+  const cache_t* vrows[2][kTileKeys];
   for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
 
   int64_t n = std::min(kTileKeys, hi - lo);
@@ -370,14 +373,14 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
     first[c] = std::lower_bound(cost.begin(), cost.end() - 1, cost[items] * c / chunks) -
                cost.begin();
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    const scalar_t* q = query.data_ptr<scalar_t>();
-    const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
-    const scalar_t* v_base = k_base + kv_cache.stride(0);
-    scalar_t* o = out.data_ptr<scalar_t>();
-    auto attend = D == 64    ? attend_row<scalar_t, 64>
-                  : D == 128 ? attend_row<scalar_t, 128>
-                             : attend_row<scalar_t, 0>;
+  // One call per (query, cache) dtype pair: the cache holds the query's dtype, or bfloat16.
+  auto run = [&](auto* q, auto* k_base, auto* o) {
+    using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(q)>>;
+    using cache_t = std::remove_const_t<std::remove_pointer_t<decltype(k_base)>>;
+    const cache_t* v_base = k_base + kv_cache.stride(0);
+    auto attend = D == 64    ? attend_row<scalar_t, cache_t, 64>
+                  : D == 128 ? attend_row<scalar_t, cache_t, 128>
+                             : attend_row<scalar_t, cache_t, 0>;
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = first[begin]; item < first[end]; ++item) {
         const int64_t t = item / parts, g = item % parts * part_heads;
@@ -388,6 +391,17 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
                part_heads, group, D, static_cast<float>(scale), o + head * D);
       }
     });
+  };
+  const bool same = kv_cache.scalar_type() == query.scalar_type();
+  TORCH_CHECK(same || kv_cache.scalar_type() == at::kBFloat16,
+              "paged_attention: the KV cache must have the query's dtype or bfloat16");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    if (same)
+      run(q, kv_cache.data_ptr<scalar_t>(), o);
+    else
+      run(q, kv_cache.data_ptr<c10::BFloat16>(), o);
   });
 }
 

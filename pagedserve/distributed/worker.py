@@ -23,7 +23,7 @@ import os
 import torch
 
 from pagedserve.attention import get_attention_backend
-from pagedserve.config import CacheConfig, resolve_device, resolve_dtype
+from pagedserve.config import CacheConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.distributed.group import RankGroup
 from pagedserve.distributed.sharding import shard_config
 from pagedserve.engine.args import EngineArgs
@@ -88,12 +88,13 @@ class Worker:
                             num_gpu_blocks_override=args.num_gpu_blocks_override,
                             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                             gpu_memory_utilization=args.gpu_memory_utilization)
-        per_block = bytes_per_block(kv_config, args.block_size, dtype)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+        per_block = bytes_per_block(kv_config, args.block_size, kv_dtype)
         budget, _ = fixed_kv_budget(cache, per_block, device, group.world_size)
         num_blocks = group.all_reduce_min(
             num_kv_blocks(cache, per_block, budget, max_model_len, KV_MEMORY_HINT))
         self.runner.kv_caches = allocate_kv_caches(kv_config, num_blocks, args.block_size,
-                                                   dtype, device)
+                                                   kv_dtype, device)
 
     @torch.inference_mode()
     def serve(self) -> None:

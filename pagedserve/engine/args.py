@@ -17,6 +17,7 @@ class EngineArgs:
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
@@ -53,6 +54,11 @@ class EngineArgs:
                             help="seed of the random generator for unseeded sampling")
         parser.add_argument("--block-size", type=int, default=d.block_size,
                             help="tokens per KV cache block")
+        parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                            choices=["auto", "bfloat16"],
+                            help="KV cache storage dtype (auto: the model's dtype; bfloat16: "
+                                 "half a float32 model's cache bytes, attention still in "
+                                 "float32; not exact)")
         parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                             help="most sequences in one engine step")
         parser.add_argument("--max-num-batched-tokens", type=int, default=None,

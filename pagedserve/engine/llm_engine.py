@@ -12,7 +12,13 @@ from dataclasses import asdict, replace
 import torch
 
 from pagedserve.attention import get_attention_backend
-from pagedserve.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
+from pagedserve.config import (
+    CacheConfig,
+    SchedulerConfig,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.distributed.config import ParallelConfig
@@ -118,6 +124,7 @@ class LLMEngine:
         self.args = args
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         torch.manual_seed(args.seed)
         self.model_path = resolve_model_path(args.model)
         self.hf_config = load_config(self.model_path)
@@ -174,7 +181,7 @@ class LLMEngine:
             raise
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
         self.model_runner.kv_caches = allocate_kv_caches(
-            self.kv_config, self.num_blocks, args.block_size, self.dtype, self.device)
+            self.kv_config, self.num_blocks, args.block_size, self.kv_cache_dtype, self.device)
         self.model_runner.decode_graphs = self._capture_decode_graphs()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, args.block_size,
                                                args.enable_prefix_caching)
@@ -197,7 +204,7 @@ class LLMEngine:
         by a profiling forward pass) are subtracted from what the engine may use; the CPU
         default is a fixed size that needs no profiling (see ``worker/kv_cache.py``)."""
         cache, sched = self.cache_config, self.scheduler_config
-        per_block = bytes_per_block(self.kv_config, cache.block_size, self.dtype)
+        per_block = bytes_per_block(self.kv_config, cache.block_size, self.kv_cache_dtype)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         fixed = fixed_kv_budget(cache, per_block, self.device,
                                 self.parallel_config.tensor_parallel_size)
@@ -206,8 +213,8 @@ class LLMEngine:
             return MemoryProfile(total, weights, 0, fixed[0], per_block, fixed[1])
         tokens = sched.max_num_batched_tokens
         num_blocks = -(-tokens // cache.block_size) + -(-tokens // self.max_model_len)
-        scratch = allocate_kv_caches(self.hf_config, num_blocks, cache.block_size, self.dtype,
-                                     self.device)
+        scratch = allocate_kv_caches(self.hf_config, num_blocks, cache.block_size,
+                                     self.kv_cache_dtype, self.device)
 
         def run() -> None:
             self.model_runner.profile_run(tokens, sched.max_num_seqs, self.max_model_len, scratch)
@@ -442,9 +449,9 @@ class LLMEngine:
         """The KV cache configuration as strings, for vLLM's ``vllm:cache_config_info``
         labels (vLLM's ``CacheConfig.metrics_info``: ``str()`` of each value, so ``None``,
         ``True``): the ``CacheConfig`` fields, ``num_gpu_blocks`` (the pool's real size) and
-        ``cache_dtype`` (``auto``: the KV cache has the model's dtype, vLLM's default)."""
+        ``cache_dtype`` (``--kv-cache-dtype``; ``auto``: the model's dtype, vLLM's default)."""
         info = {k: str(v) for k, v in asdict(self.cache_config).items()}
-        info.update(num_gpu_blocks=str(self.num_blocks), cache_dtype="auto")
+        info.update(num_gpu_blocks=str(self.num_blocks), cache_dtype=self.args.kv_cache_dtype)
         return info
 
     def kv_cache_stats(self) -> KVCacheStats:
