@@ -12,16 +12,16 @@ from pagedserve.models.cpu_decode import KIND_FLOAT, KIND_INT8, CpuDecodeLayers
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU kernels unavailable")
 
 # Each way a projection can hold its weight: GGUF blocks (the default, float32 and
-# bfloat16), int8 rows with a float down_proj (MKL-packed in float32), float weights only;
-# and int8 over a bfloat16 KV cache (--kv-cache-dtype bfloat16).
+# bfloat16), int8 rows (SmoothQuant: every Linear), float weights only (MKL-packed in
+# float32); and int8 over a bfloat16 KV cache (--kv-cache-dtype bfloat16).
 ENGINES = {"gguf-float32": {"dtype": "float32"}, "gguf-bfloat16": {"dtype": "bfloat16"},
            "int8": {"dtype": "float32", "quantization": "int8"},
            "none": {"dtype": "float32", "quantization": "none"},
            "kv-bf16": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "bfloat16"}}
 KINDS = {"gguf-float32": None, "gguf-bfloat16": None,
-         "int8": [KIND_INT8, KIND_INT8, KIND_INT8, KIND_FLOAT],
+         "int8": [KIND_INT8] * 4,
          "none": [KIND_FLOAT] * 4,
-         "kv-bf16": [KIND_INT8, KIND_INT8, KIND_INT8, KIND_FLOAT]}
+         "kv-bf16": [KIND_INT8] * 4}
 REQUESTS = 20  # steps of 20 rows down to 1: MKL's packed weight from 17 rows, F.linear below
 
 

@@ -30,7 +30,7 @@ from pagedserve.engine.output_processor import OutputProcessor, ParentState
 from pagedserve.engine.timeline import StepTimeline
 from pagedserve.models.cpu_decode import CpuDecodeLayers
 from pagedserve.models.gguf_loader import iter_gguf_blocks
-from pagedserve.models.int8 import quantize_model
+from pagedserve.models.int8 import FLOAT_LAYERS, quantize_model
 from pagedserve.models.loader import iter_weights, load_config, resolve_model_path
 from pagedserve.models.quant import (
     KERNEL_TYPES,
@@ -42,6 +42,7 @@ from pagedserve.models.quant import (
     use_gguf_kernels,
 )
 from pagedserve.models.registry import get_model_class
+from pagedserve.models.smoothquant import calibration_token_ids, smooth_model, smoothable
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sample.sampler import make_generator
@@ -73,12 +74,14 @@ PromptType = str | list[int] | dict
 
 
 def load_model(args: EngineArgs, hf_config, model_path, device: str, dtype: torch.dtype,
-               backend, max_model_len: int, group: RankGroup | None = None) -> torch.nn.Module:
+               backend, max_model_len: int, group: RankGroup | None = None,
+               tokenizer=None) -> torch.nn.Module:
     """Build the model and load its weights (``args.load_format``, ``args.quantization``).
 
     With ``group`` (tensor parallel), this rank's shard: built from ``shard_config``, read
     through ``shard_weights``, wrapped by ``make_tensor_parallel``; GGUF weights are then
-    dequantized only (the GGUF block kernels read whole rows).
+    dequantized only (the GGUF block kernels read whole rows). ``tokenizer`` (loaded here
+    if None and needed) turns int8's calibration text into tokens.
     Raises ``ValueError`` for a bad ``load_format``.
     """
     tp = 1 if group is None else group.world_size
@@ -104,13 +107,32 @@ def load_model(args: EngineArgs, hf_config, model_path, device: str, dtype: torc
         raise ValueError(f"load_format must be auto or dummy; got {args.load_format!r}")
     inner = model if group is None else model.model
     if args.quantization == "int8":
-        logger.info("%d weights quantized to int8 (W8A8)", quantize_model(inner))
+        quantize_int8(inner, hf_config, model_path, tokenizer, group)
     if packing_available(device, dtype):
         logger.info("%d weights packed for MKL (steps of >= %d tokens)",
                     pack_model_weights(inner), PACKED_MIN_ROWS)
     if group is None:  # its layers, not the tensor-parallel ones with their all-reduces
         model.cpu_decode = CpuDecodeLayers.build(model)
     return model.eval()
+
+
+def quantize_int8(model: torch.nn.Module, hf_config, model_path, tokenizer,
+                  group: RankGroup | None) -> None:
+    """``--quantization int8``: SmoothQuant (``models/smoothquant.py``) and then every
+    Linear in int8 where every layer could be smoothed; else (other layer kinds, or tensor
+    parallel, whose ranks cannot run a calibration prefill alone) ``FLOAT_LAYERS`` stay
+    float and nothing is smoothed."""
+    smoothed = 0
+    if group is None and smoothable(model):
+        if tokenizer is None:
+            from pagedserve.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(model_path)
+        smoothed = smooth_model(model, hf_config, calibration_token_ids(tokenizer))
+    skip = () if smoothed else FLOAT_LAYERS
+    logger.info("%d weights quantized to int8 (W8A8; %s)", quantize_model(model, skip=skip),
+                "SmoothQuant on every layer" if smoothed else
+                f"no SmoothQuant, {', '.join(FLOAT_LAYERS)} left in float")
 
 
 class LLMEngine:
@@ -168,7 +190,8 @@ class LLMEngine:
         try:
             self.model = self.executor.driver_model(load_model(
                 args, self.hf_config, self.model_path, self.device, self.dtype,
-                self.attention_backend, self.max_model_len, self.executor.group))
+                self.attention_backend, self.max_model_len, self.executor.group,
+                self.tokenizer))
             self.model_runner = self.executor.model_runner_class(
                 self.model, args.block_size, self.device, self.hf_config.vocab_size,
                 self.eos_token_id, self.structured_output.grammar_bitmask)

@@ -1,6 +1,6 @@
 """INT8 W8A8 linear layers on CPU (``--quantization int8``).
 
-SmoothQuant / LLM.int8()-style symmetric quantization without outlier handling:
+Symmetric W8A8 quantization as in SmoothQuant (whose smoothing is ``smoothquant.py``):
 
 - weights ``[N, K]`` are quantized once at load, per output channel (row n):
   ``scale[n] = max_k |w[n, k]| / 127``, ``q[n, k] = round(w[n, k] / scale[n])`` in [-127, 127];
@@ -15,7 +15,8 @@ with it than with a contiguous ``[K, N]`` copy at M = 1..256 on SmolLM2's shapes
 (``benchmarks/README.md``). The float weight is dropped: a ``Linear`` holds the int8 rows as
 its ``weight`` (int8 parameter, so memory accounting sees 1 byte per weight) and the pair in
 ``quant``. A tied LM head keeps the float embedding (the token lookup needs it) and gets an
-int8 copy. Layers named in ``FLOAT_LAYERS`` stay in float (see there).
+int8 copy. Layers named in ``quantize_model``'s ``skip`` stay in float. The engine first
+moves activation outliers into the weights (``smoothquant.py``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from torch import nn
 
 from pagedserve.cpu_ops import cpu_layer_ops
 
-# Linear layers (last name part) left in float. Measured on SmolLM2-135M (perplexity of the
-# MT-Bench reference answers, benchmarks/README.md): every Linear and the LM head in int8
-# cost +2.64% over float32, all but down_proj +1.92%, inside the 2% bound (down_proj alone
-# +0.59%, the LM head alone +0.36%; q/k/v, o and gate/up were not measured one by one).
+# Linear layers (last name part) left in float where SmoothQuant cannot run (see
+# engine/llm_engine.quantize_int8). Measured on SmolLM2-135M (perplexity of the MT-Bench
+# reference answers, benchmarks/README.md), without SmoothQuant: every Linear and the LM
+# head in int8 cost +2.64% over float32, all but down_proj +1.92%, inside the 2% bound;
+# with SmoothQuant every Linear in int8 costs +0.94%.
 FLOAT_LAYERS = ("down_proj",)
 _QMAX = 127.0
 _TINY = torch.finfo(torch.float32).tiny
