@@ -15,11 +15,13 @@ take it:
 - ``down_proj`` reads ``act(gate) * up``: the ``up`` rows of ``gate_up_proj`` are divided
   by ``s``.
 
-``max|x_j|`` comes from a few prefills of ``CALIBRATION_CHATS`` (our own text, in the model's
-chat format; 891 tokens, 2 s at load here) before quantization. Measured on SmolLM2-135M (perplexity of the MT-Bench
-reference answers, ``benchmarks/README.md``): every Linear and the LM head in int8 went from
-+2.64% over float32 to +0.94% (+0.75% to +1.27% when calibrated on 40 or 4 ShareGPT texts
-instead).
+``max|x_j|`` comes from a few prefills of ``CALIBRATION_CHATS`` (our own text, in the
+model's chat format; 891 tokens, 2 s at load here) before quantization. Measured on
+SmolLM2-135M (perplexity of the MT-Bench reference answers, ``benchmarks/README.md``):
+every Linear and the LM head in int8 went from +2.64% over float32 to +0.94% (+0.75% to
++1.27% when calibrated on 40 or 4 ShareGPT texts instead). The scales follow the float
+sums of the calibration to their last bits, so the int8 model can differ slightly with
+the number of threads it was loaded with (as float results do).
 """
 
 from __future__ import annotations
