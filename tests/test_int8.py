@@ -172,3 +172,19 @@ def test_engine_int8_follows_float32(llm, llm_int8, chat_prompts):
     assert stats["float32"][1] == 1.0  # its own greedy tokens
     assert stats["int8"][1] >= 0.85, stats
     assert stats["int8"][0] < stats["float32"][0] + 0.1, stats
+
+
+def test_int8_calibration_is_cut_to_max_model_len(monkeypatch):
+    """The calibration chats (~110 tokens each) are cut to max_model_len: the rotary
+    tables hold that many positions, and the C++ rotary op does not bounds-check."""
+    from pagedserve.engine import llm_engine
+
+    lengths = []
+    smooth = llm_engine.smooth_model
+    monkeypatch.setattr(llm_engine, "smooth_model", lambda model, config, ids: (
+        lengths.extend(map(len, ids)), smooth(model, config, ids))[1])
+    llm = LLM(dtype="float32", quantization="int8", max_model_len=48,
+              kv_cache_memory_bytes=64 << 20)
+    assert len(lengths) == 8 and max(lengths) == 48
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

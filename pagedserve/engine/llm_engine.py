@@ -107,7 +107,7 @@ def load_model(args: EngineArgs, hf_config, model_path, device: str, dtype: torc
         raise ValueError(f"load_format must be auto or dummy; got {args.load_format!r}")
     inner = model if group is None else model.model
     if args.quantization == "int8":
-        quantize_int8(inner, hf_config, model_path, tokenizer, group)
+        quantize_int8(inner, hf_config, model_path, tokenizer, group, max_model_len)
     if packing_available(device, dtype):
         logger.info("%d weights packed for MKL (steps of >= %d tokens)",
                     pack_model_weights(inner), PACKED_MIN_ROWS)
@@ -117,18 +117,19 @@ def load_model(args: EngineArgs, hf_config, model_path, device: str, dtype: torc
 
 
 def quantize_int8(model: torch.nn.Module, hf_config, model_path, tokenizer,
-                  group: RankGroup | None) -> None:
-    """``--quantization int8``: SmoothQuant (``models/smoothquant.py``) and then every
-    Linear in int8 where every layer could be smoothed; else (other layer kinds, or tensor
-    parallel, whose ranks cannot run a calibration prefill alone) ``FLOAT_LAYERS`` stay
-    float and nothing is smoothed."""
+                  group: RankGroup | None, max_model_len: int) -> None:
+    """``--quantization int8``: SmoothQuant (``models/smoothquant.py``, calibration chats
+    cut to ``max_model_len`` tokens) and then every Linear in int8 where every layer could
+    be smoothed; else (other layer kinds, or tensor parallel, whose ranks cannot run a
+    calibration prefill alone) ``FLOAT_LAYERS`` stay float and nothing is smoothed."""
     smoothed = 0
     if group is None and smoothable(model):
         if tokenizer is None:
             from pagedserve.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(model_path)
-        smoothed = smooth_model(model, hf_config, calibration_token_ids(tokenizer))
+        calibration = [ids[:max_model_len] for ids in calibration_token_ids(tokenizer)]
+        smoothed = smooth_model(model, hf_config, calibration)
     skip = () if smoothed else FLOAT_LAYERS
     logger.info("%d weights quantized to int8 (W8A8; %s)", quantize_model(model, skip=skip),
                 "SmoothQuant on every layer" if smoothed else
