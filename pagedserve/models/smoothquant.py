@@ -119,13 +119,12 @@ def smooth_model(model: nn.Module, kv_config, token_ids: list[list[int]]) -> int
     absmax = _input_absmax(model, kv_config, token_ids, inputs)
     with torch.no_grad():
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            s = _scales(absmax[attn.qkv_proj], attn.qkv_proj.weight, NORM_ALPHA)
-            _scale_(layer.input_layernorm.weight, 1 / s)
-            _scale_(attn.qkv_proj.weight, s)
-            s = _scales(absmax[mlp.gate_up_proj], mlp.gate_up_proj.weight, NORM_ALPHA)
-            _scale_(layer.post_attention_layernorm.weight, 1 / s)
-            _scale_(mlp.gate_up_proj.weight, s)
+            mlp = layer.mlp
+            for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                               (layer.post_attention_layernorm, mlp.gate_up_proj)):
+                s = _scales(absmax[proj], proj.weight, NORM_ALPHA)
+                _scale_(norm.weight, 1 / s)
+                _scale_(proj.weight, s)
             s = _scales(absmax[mlp.down_proj], mlp.down_proj.weight, DOWN_ALPHA)
             inter = mlp.down_proj.weight.shape[1]
             _scale_(mlp.gate_up_proj.weight[inter:], 1 / s[:, None])  # the up rows
