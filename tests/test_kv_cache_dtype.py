@@ -53,7 +53,7 @@ def rounding_cache():
 def test_cache_is_bfloat16_and_holds_twice_the_blocks(bf16_kv_llm, llm):
     engine = bf16_kv_llm.engine
     assert {c.dtype for c in engine.model_runner.kv_caches} == {torch.bfloat16}
-    # the same bytes as the float32 engine's half its budget: 2x the blocks per byte
+    # half the float32 engine's bytes per block: twice the blocks in the same budget
     per_block = engine.memory_profile.bytes_per_block
     assert per_block * 2 == llm.engine.memory_profile.bytes_per_block
     assert engine.num_blocks == (256 << 20) // per_block
