@@ -18,11 +18,7 @@ from gguf.quants import dequantize
 from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
 from pagedserve.models import quant as quant_module
-from pagedserve.models.gguf_loader import (
-    _dequantize_q4_1_q8_0,
-    iter_gguf_blocks,
-    iter_gguf_weights,
-)
+from pagedserve.models.gguf_loader import iter_gguf_blocks, iter_gguf_weights
 from pagedserve.models.quant import (
     KERNEL_TYPES,
     MAX_ROWS,
@@ -95,28 +91,46 @@ def test_kernel_matches_8bit_activation_reference(qtype, n, k):
         assert torch.equal(out[m - 1], kernel(blocks, x[m - 1:], qtype)[0])
 
 
-def test_repacked_blocks_hold_the_same_bytes_per_tile():
-    """32 rows of 2 Q4_1 blocks: two tiles of 16 rows; per tile and block the 16 scales,
-    the 16 mins, then 4 chunks of each row's next 4 quant bytes."""
-    rows = torch.arange(32 * 2 * 20, dtype=torch.int32).remainder(251).to(torch.uint8).view(32, 40)
-    packed = repack_blocks(rows, Q.Q4_1)
-    assert packed.shape == (2, 2 * 16 * 20)
-    blocks = rows.view(2, 16, 2, 20)  # [tile, row, block, bytes]
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_repacked_blocks_hold_the_same_bytes_per_tile(qtype):
+    """32 rows of 2 blocks: two tiles of 16 rows; per tile and block the 16 scales, (Q4_1)
+    the 16 mins, then chunks of each row's next 4 quant bytes."""
+    size = GGML_QUANT_SIZES[qtype][1]
+    scale_fields = [(0, 2), (2, 4)] if qtype == Q.Q4_1 else [(0, 2)]
+    quants_start = 2 * len(scale_fields)
+    rows = torch.arange(32 * 2 * size, dtype=torch.int32).remainder(251).to(torch.uint8)
+    rows = rows.view(32, 2 * size)
+    packed = repack_blocks(rows, qtype)
+    assert packed.shape == (2, 2 * 16 * size)
+    blocks = rows.view(2, 16, 2, size)  # [tile, row, block, bytes]
     for t in range(2):
         expected = []
         for b in range(2):
-            expected += [blocks[t, :, b, 0:2].reshape(-1), blocks[t, :, b, 2:4].reshape(-1)]
-            expected += [blocks[t, :, b, 4 + 4 * c : 8 + 4 * c].reshape(-1) for c in range(4)]
+            expected += [blocks[t, :, b, i:j].reshape(-1) for i, j in scale_fields]
+            expected += [blocks[t, :, b, c : c + 4].reshape(-1)
+                         for c in range(quants_start, size, 4)]
         assert torch.equal(packed[t], torch.cat(expected))
-    assert quant_module._concat_rows({"w": (Q.Q4_1, rows[:16])}, ["w"]) is not None
-    assert quant_module._concat_rows({"w": (Q.Q4_1, rows[:24])}, ["w"]) is None  # 24 rows
+    assert quant_module._concat_rows({"w": (qtype, rows[:16])}, ["w"]) is not None
+    assert quant_module._concat_rows({"w": (qtype, rows[:24])}, ["w"]) is None  # 24 rows
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)
-def test_torch_dequantization_is_bit_equal_to_gguf_py(qtype):
+def test_dequantization_is_bit_equal_to_gguf_py(qtype):
     blocks = random_blocks(qtype, 37, 96, np.random.default_rng(int(qtype)))
-    ours = _dequantize_q4_1_q8_0(torch.from_numpy(blocks), qtype)
+    ours = load_cpu_ops().dequantize_gguf_blocks(torch.from_numpy(blocks), int(qtype))
     assert torch.equal(ours, torch.from_numpy(dequantize(blocks, qtype).copy()))
+
+
+def test_block_conversions_reject_bad_inputs():
+    ops, rows = load_cpu_ops(), torch.zeros(16, 40, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="type must be 3"):
+        ops.dequantize_gguf_blocks(rows, int(Q.Q4_0))
+    with pytest.raises(RuntimeError, match="whole blocks of 34"):
+        ops.dequantize_gguf_blocks(rows, int(Q.Q8_0))
+    with pytest.raises(RuntimeError, match="uint8"):
+        ops.repack_gguf_blocks(rows.float(), int(Q.Q4_1))
+    with pytest.raises(RuntimeError, match="whole tiles of 16"):
+        ops.repack_gguf_blocks(rows[:8], int(Q.Q4_1))
 
 
 def test_kernel_rejects_bad_inputs():

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from torch import nn
 
+from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
 from pagedserve.models.int8 import Int8Weight, int8_linear
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,6 @@ QUANTIZATION_CHOICES = ("gguf", "int8", "none")
 COLUMN_CHUNK = 2048
 
 
-# Bytes of one block's fields: (start, stop) of the scale d, the min m (Q4_1), the quants.
-_BLOCK_FIELDS = {GGMLQuantizationType.Q4_1: ((0, 2), (2, 4), (4, 20)),
-                 GGMLQuantizationType.Q8_0: ((0, 2), (2, 34))}
 TILE_ROWS = 16  # output rows per tile of the kernel's layout
 
 
@@ -80,17 +78,10 @@ def repack_blocks(rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tens
     ``ggml_mul_mat_a8``: in tiles of 16 rows, and per tile block after block, the 16 rows'
     scales d, then (Q4_1) their mins m, then their quants in chunks of 4 bytes, chunk-major
     (``[chunk][row][4 bytes]``). The same bytes, moved so that one 64-byte load holds 4
-    quant bytes of each of 16 rows (layout: ``csrc/gguf_gemm_cpu.cpp``). Returns uint8
-    ``[N / 16, K / 32 * 16 * type_size]``."""
-    n, size = rows.shape[0], GGML_QUANT_SIZES[qtype][1]
-    tiles = rows.view(n // TILE_ROWS, TILE_ROWS, -1, size).transpose(1, 2)  # [T, blocks, 16, size]
-    parts = []
-    for a, b in _BLOCK_FIELDS[qtype]:
-        field = tiles[..., a:b]
-        if b - a > 2:  # quants: [T, blocks, 16, chunks, 4] -> chunk-major
-            field = field.unflatten(-1, (-1, 4)).transpose(2, 3)
-        parts.append(field.reshape(*tiles.shape[:2], -1))
-    return torch.cat(parts, dim=-1).reshape(n // TILE_ROWS, -1)
+    quant bytes of each of 16 rows (layout: ``csrc/gguf_gemm_cpu.cpp``), by the C++ op
+    ``repack_gguf_blocks``. Returns uint8 ``[N / 16, K / 32 * 16 * type_size]``; raises
+    RuntimeError for another type or row count."""
+    return load_cpu_ops().repack_gguf_blocks(rows, int(qtype))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -207,8 +198,6 @@ def use_gguf_kernels(quantization: str | None, model_path: pathlib.Path, device:
     if device != "cpu":
         logger.info("GGUF kernels run on CPU only: %s uses dequantized weights", device)
         return False
-    from pagedserve.cpu_ops import cpu_ops_available
-
     return cpu_ops_available()
 
 
