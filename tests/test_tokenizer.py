@@ -47,6 +47,8 @@ def test_token_ids_match_transformers(loads, reference, which):
         assert tok.decode(ids) == text
     assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
     assert len(tok) == len(reference) == 49152
+    assert tok.added_tokens_decoder == reference.added_tokens_decoder
+    assert tok.special_tokens_map == reference.special_tokens_map
 
 
 @pytest.mark.parametrize("which", [0, 2])
