@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -34,3 +38,15 @@ def test_cpu_flags_reads_this_machine():
     assert isinstance(flags, set)
     with open("/proc/cpuinfo") as f:
         assert any(line.startswith("flags") for line in f) == bool(flags)
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "10000000"), ("300000", "300000")])
+def test_import_sets_openmp_spin_count_unless_the_user_did(preset, expected):
+    """``import pagedserve`` (before torch) lengthens libgomp's spin-wait; a user's value wins."""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if preset is not None:
+        env["GOMP_SPINCOUNT"] = preset
+    code = "import os, pagedserve, sys; sys.stdout.write(os.environ['GOMP_SPINCOUNT'])"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, check=True)
+    assert result.stdout == expected
