@@ -85,9 +85,9 @@ def _save_atomically(tokenizer: transformers.PreTrainedTokenizerBase, dest: path
 
 def _add_added_tokens_decoder(tokenizer: transformers.PreTrainedTokenizerBase,
                               config_file: pathlib.Path) -> None:
-    """Write the special tokens into ``tokenizer_config.json`` as ``added_tokens_decoder``
-    (as transformers 4 saved them; 5 leaves them to ``tokenizer.json`` alone). Without
-    them, loading parses all of ``tokenizer.json`` in Python (0.15 s for SmolLM2) just to
+    """Write the added (special) tokens into ``tokenizer_config.json`` as
+    ``added_tokens_decoder``, as transformers 4 saved them (5 leaves them to
+    ``tokenizer.json`` alone). Without them, loading parses all of ``tokenizer.json`` in Python (0.15 s for SmolLM2) just to
     read its ``added_tokens``, on top of the Rust parse of the same file."""
     config = json.loads(config_file.read_text(encoding="utf-8"))
     config["added_tokens_decoder"] = {str(index): token.__getstate__()
