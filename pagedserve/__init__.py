@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 # PyTorch's OpenMP workers (libgomp) spin-wait for the next parallel region for 300,000
 # pauses (~5 ms on this project's Xeon VMs), then sleep until a futex call wakes them. In
 # minutes when the host was busy that wake-up was slow: the shared workload ran at 84-149
-# output tok/s by default against 154-229 with workers that never sleep (alternating
+# output tok/s by default against 154-231 with workers that never sleep (alternating
 # runs); in quiet minutes the two were equal (benchmarks/README.md). 10M pauses, ~0.17 s
 # here (Intel's OpenMP spins 200 ms, KMP_BLOCKTIME), keeps them awake through a step's
 # Python work and still lets an idle engine's workers sleep. libgomp reads the variable
