@@ -27,6 +27,13 @@
 // dot products in one register, in output order: no horizontal sums (the layout of
 // llama.cpp's repacked "q4_0_8x8" GEMM kernels, here with 16 rows per 512-bit register).
 // For Q4_1 the chunk's low nibbles are quants 4c..4c+3 and its high nibbles 16+4c..19+4c.
+//
+// At load (one pass over the bytes each, where PyTorch code made 4-6 with temporaries):
+//   dequantize_gguf_blocks(blocks uint8 [R, K / 32 * type_size], type) -> float32 [R, K]
+//       w = d * q + m (Q4_1), w = d * q (Q8_0), a product then a sum in float32 as
+//       gguf-py's quants.py computes them, so bit-equal to it;
+//   repack_gguf_blocks(rows uint8 [N, K / 32 * type_size], type) -> uint8 [N / 16, ...]
+//       the rows in the repacked layout above.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -52,6 +59,7 @@ constexpr int64_t kBlock = 32;         // weights per block (QK4_1 == QK8_0 == 3
 constexpr int64_t kTileRows = 16;      // output rows per tile
 constexpr int64_t kMaxRowsPerPass = 8;  // rows of x sharing one pass over a tile
 constexpr int64_t kPrefetchBytes = 1536;  // how far ahead in W to prefetch
+constexpr int64_t kDequantGrain = 256;    // blocks per parallel task of dequantize_gguf_blocks
 
 enum GGMLType : int64_t { kQ4_1 = 3, kQ8_0 = 8 };
 
@@ -78,6 +86,42 @@ inline int64_t tile_block_bytes(int64_t type) {
 
 inline float fp16_to_float(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Bytes of one row's block, and of its scale fields (d, and m for Q4_1).
+inline int64_t block_bytes(int64_t type) { return tile_block_bytes(type) / kTileRows; }
+inline int64_t scale_bytes(int64_t type) {
+  return (type == kQ4_1 ? Q4_1Layout::kScaleBytes : Q8_0Layout::kScaleBytes) / kTileRows;
+}
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return fp16_to_float(bits);
+}
+
+PRECISE void dequantize_q4_1(const uint8_t* block, float* w) {
+  const float d = fp16_at(block), m = fp16_at(block + 2);
+  const uint8_t* qs = block + 4;
+  for (int j = 0; j < 16; ++j) {
+    w[j] = d * static_cast<float>(qs[j] & 0x0F) + m;
+    w[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+  }
+}
+
+PRECISE void dequantize_q8_0(const uint8_t* block, float* w) {
+  const float d = fp16_at(block);
+  const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
+  for (int j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(qs[j]);
+}
+
+void check_blocks(const torch::Tensor& t, int64_t type, const char* op) {
+  TORCH_CHECK(type == kQ4_1 || type == kQ8_0, op, ": type must be 3 (Q4_1) or 8 (Q8_0), got ",
+              type);
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_cpu(), op,
+              ": expected a uint8 [rows, blocks * type_size] CPU tensor");
+  TORCH_CHECK(t.size(1) % block_bytes(type) == 0, op, ": rows of ", t.size(1),
+              " bytes are not whole blocks of ", block_bytes(type));
 }
 
 // x's rows quantized per block of 32, each row's quants in x's order.
@@ -380,6 +424,57 @@ torch::Tensor ggml_mul_mat_a8(torch::Tensor qweight, torch::Tensor x, int64_t qw
   return out;
 }
 
+// Load-time conversions (see the top of the file); raise (RuntimeError) on another type,
+// dtype or shape.
+torch::Tensor dequantize_gguf_blocks(torch::Tensor blocks, int64_t type) {
+  check_blocks(blocks, type, "dequantize_gguf_blocks");
+  blocks = blocks.contiguous();
+  const int64_t size = block_bytes(type), rows = blocks.size(0);
+  const int64_t num_blocks = rows * (blocks.size(1) / size);
+  auto out = torch::empty({rows, blocks.size(1) / size * kBlock}, torch::kFloat);
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  float* w = out.data_ptr<float>();
+  at::parallel_for(0, num_blocks, kDequantGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (type == kQ4_1)
+        dequantize_q4_1(in + b * size, w + b * kBlock);
+      else
+        dequantize_q8_0(in + b * size, w + b * kBlock);
+    }
+  });
+  return out;
+}
+
+torch::Tensor repack_gguf_blocks(torch::Tensor rows, int64_t type) {
+  check_blocks(rows, type, "repack_gguf_blocks");
+  TORCH_CHECK(rows.size(0) % kTileRows == 0, "repack_gguf_blocks: ", rows.size(0),
+              " rows are not whole tiles of ", kTileRows);
+  rows = rows.contiguous();
+  const int64_t size = block_bytes(type), row_bytes = rows.size(1);
+  const int64_t blocks_per_row = row_bytes / size, tiles = rows.size(0) / kTileRows;
+  const int64_t scales = scale_bytes(type), chunks = (size - scales) / 4;
+  auto out = torch::empty({tiles, kTileRows * row_bytes}, torch::kByte);
+  const uint8_t* in = rows.data_ptr<uint8_t>();
+  uint8_t* packed = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      uint8_t* o = packed + t * kTileRows * row_bytes;
+      for (int64_t b = 0; b < blocks_per_row; ++b) {
+        const uint8_t* tile_block = in + t * kTileRows * row_bytes + b * size;
+        for (int64_t field = 0; field < scales; field += 2)  // d, then m
+          for (int64_t r = 0; r < kTileRows; ++r, o += 2)
+            std::memcpy(o, tile_block + r * row_bytes + field, 2);
+        for (int64_t c = 0; c < chunks; ++c)
+          for (int64_t r = 0; r < kTileRows; ++r, o += 4)
+            std::memcpy(o, tile_block + r * row_bytes + scales + 4 * c, 4);
+      }
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("ggml_mul_mat_a8", &ggml_mul_mat_a8);
+  m.def("dequantize_gguf_blocks", &dequantize_gguf_blocks);
+  m.def("repack_gguf_blocks", &repack_gguf_blocks);
 }
