@@ -34,6 +34,6 @@ fi
 # bundled model's GGUF tokenizer (~8 s, cached under ~/.cache/pagedserve), so that the first
 # `pagedserve serve` answers within seconds.
 .venv/bin/python -c "from pagedserve.cpu_ops import load_cpu_ops; load_cpu_ops()
-from pagedserve.models.loader import resolve_model_path
+from pagedserve.model_loader.files import resolve_model_path
 from pagedserve.tokenizer import load_tokenizer
 load_tokenizer(resolve_model_path(None))"

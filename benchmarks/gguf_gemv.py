@@ -17,7 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from pagedserve import LLM
-from pagedserve.models.quant import Linear
+from pagedserve.quantization.linear import Linear
 
 
 def main() -> None:

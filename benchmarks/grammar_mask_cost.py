@@ -19,7 +19,7 @@ import torch
 import xgrammar as xgr
 
 from pagedserve.benchmarks.throughput import BENCH_SCHEMA
-from pagedserve.models.loader import resolve_model_path
+from pagedserve.model_loader.files import resolve_model_path
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.structured_output import StructuredOutputManager, apply_grammar_bitmask

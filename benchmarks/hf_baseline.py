@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from pagedserve.benchmarks import datasets
-from pagedserve.models.loader import resolve_model_path
+from pagedserve.model_loader.files import resolve_model_path
 from pagedserve.tokenizer import load_tokenizer
 
 

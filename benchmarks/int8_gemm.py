@@ -1,4 +1,4 @@
-"""Per-shape rate of the int8 W8A8 linear (``pagedserve/models/int8.py``) vs float32
+"""Per-shape rate of the int8 W8A8 linear (``pagedserve/quantization/int8.py``) vs float32
 ``F.linear`` on SmolLM2-135M's shapes, at M = 1, 16, 64, 256 rows (tokens).
 
     PYTHONPATH=. python benchmarks/int8_gemm.py [--threads N]
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedserve.models.int8 import int8_linear, quantize_rows, quantize_weight
+from pagedserve.quantization.int8 import int8_linear, quantize_rows, quantize_weight
 
 # (name, K, N): fused q/k/v (9 + 2 * 3 heads of 64), o, fused gate/up, down, tied LM head
 SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),

@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 flags=$(grep -o -w -E 'avx2|avx512f|avx512_bf16|avx512_vnni|amx_bf16|amx_int8' /proc/cpuinfo \
         | sort -u | tr '\n' ' ')
 echo "date $(date -u +%FT%TZ); $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-); $(nproc) cores; flags: $flags"
-GGUF=$($PY -c "from pagedserve.models.loader import resolve_model_path; print(resolve_model_path(None))")
+GGUF=$($PY -c "from pagedserve.model_loader.files import resolve_model_path; print(resolve_model_path(None))")
 
 if [ $# -ge 1 ]; then
     "$1" -m "$GGUF" -t "$(nproc)" -np 1 -c 4096 --port 8190 > "$OUT/llama_server.log" 2>&1 &

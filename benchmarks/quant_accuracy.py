@@ -32,7 +32,7 @@ import math
 from pathlib import Path
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.models import quant as quant_module
+from pagedserve.quantization import linear as quant_module
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 REFERENCES = "mt_bench_reference_answer_gpt-4.jsonl"

@@ -10,7 +10,7 @@ import pytest
 from conftest import wait_until
 
 from pagedserve.core.kv_cache_manager import KVCacheStats
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.engine.async_engine import (
     AsyncLLM,
     EngineClosedError,

@@ -25,10 +25,10 @@ from pagedserve.benchmarks import datasets, serve
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints import cli
-from pagedserve.models.loader import resolve_model_path
+from pagedserve.model_loader.files import resolve_model_path
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import load_tokenizer

@@ -7,7 +7,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import cpu_ops_available
-from pagedserve.models.cpu_decode import KIND_FLOAT, KIND_INT8, CpuDecodeLayers
+from pagedserve.worker.cpu_decode import KIND_FLOAT, KIND_INT8, CpuDecodeLayers
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU kernels unavailable")
 

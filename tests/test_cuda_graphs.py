@@ -17,7 +17,7 @@ pytest.importorskip("triton")  # TRITON_INTERPRET=1 is set in conftest.py when t
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention import triton_attn
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 
 BLOCK_SIZE = 4

@@ -7,7 +7,7 @@ import base64
 import numpy as np
 import pytest
 
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.snapshot import CACHED, FREE, SHARED, USED, pool_state, take_snapshot
 from pagedserve.engine.timeline import LatencyWindow, StepTimeline

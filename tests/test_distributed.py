@@ -20,9 +20,9 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.distributed.executor import EngineDeadError
+from pagedserve.executor.multiproc import EngineDeadError
 from pagedserve.distributed.sharding import kv_head_range, shard_config, shard_weights
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLM, EngineClosedError, EngineStepError
 from pagedserve.entrypoints.openai.api_server import build_app
 from pagedserve.entrypoints.openai.serving_engine import ServingContext
@@ -282,7 +282,7 @@ def test_tp2_over_two_ray_nodes_matches_tp1(tiny_llama, ray_cluster):
 def test_dp2_ray_replicas_on_two_nodes(tiny_llama, ray_cluster):
     """Two data-parallel replicas as Ray actors, one per node; both serve, outputs as one
     engine's."""
-    from pagedserve.distributed.data_parallel import DataParallelLLM
+    from pagedserve.engine.data_parallel import DataParallelLLM
 
     path = str(tiny_llama[0])
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]

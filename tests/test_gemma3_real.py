@@ -15,7 +15,7 @@ import transformers
 from conftest import CHAT_QUESTIONS, hf_greedy
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.models import loader
+from pagedserve.model_loader import files as loader
 
 MAX_TOKENS = 16
 SHORT_PROMPTS = ["The Eiffel Tower is located in the city of", "One, two, three, four,",

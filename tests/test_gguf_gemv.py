@@ -17,9 +17,9 @@ from gguf.quants import dequantize
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
-from pagedserve.models import quant as quant_module
-from pagedserve.models.gguf_loader import iter_gguf_blocks, iter_gguf_weights
-from pagedserve.models.quant import (
+from pagedserve.quantization import linear as quant_module
+from pagedserve.model_loader.gguf_file import iter_gguf_blocks, iter_gguf_weights
+from pagedserve.quantization.linear import (
     KERNEL_TYPES,
     MAX_ROWS,
     PACKED_MIN_ROWS,

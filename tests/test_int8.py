@@ -1,4 +1,4 @@
-"""INT8 W8A8 (``--quantization int8``, ``pagedserve/models/int8.py``): the int8 linear against
+"""INT8 W8A8 (``--quantization int8``, ``pagedserve/quantization/int8.py``): the int8 linear against
 an independent float64 reference, per-token independence, weight reconstruction, and the
 engine end to end against float32."""
 
@@ -11,9 +11,9 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import load_cpu_ops
-from pagedserve.engine.args import EngineArgs
-from pagedserve.models.int8 import Int8Weight, int8_linear, quantize_model, quantize_weight
-from pagedserve.models.quant import Linear, use_gguf_kernels
+from pagedserve.args import EngineArgs
+from pagedserve.quantization.int8 import Int8Weight, int8_linear, quantize_model, quantize_weight
+from pagedserve.quantization.linear import Linear, use_gguf_kernels
 
 
 def reference(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ def test_int8_linear_equals_float64_reference():
 def test_cpu_kernels_equal_the_pytorch_ops_bit_for_bit(monkeypatch, dtype, with_bias):
     """The C++ quantize and epilogue passes (csrc/int8_ops_cpu.cpp) against the PyTorch
     ops they replace, on rows with a zero row, ties at .5 and a loud row."""
-    from pagedserve.models import int8 as int8_module
+    from pagedserve.quantization import int8 as int8_module
 
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(37, 96, generator=gen)
@@ -100,7 +100,7 @@ def test_bfloat16_input_gives_bfloat16_output():
 
 def test_quantize_model_replaces_weights(tiny_llama):
     from pagedserve.attention import get_attention_backend
-    from pagedserve.models.loader import iter_weights, load_config
+    from pagedserve.model_loader.files import iter_weights, load_config
     from pagedserve.models.registry import get_model_class
 
     config = load_config(tiny_llama[0])

@@ -9,7 +9,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import resolve_kv_cache_dtype
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 
 MAX_TOKENS = 24
 

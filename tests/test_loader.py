@@ -10,7 +10,8 @@ import torch
 import transformers
 from gguf.quants import dequantize, quantize
 
-from pagedserve.models import gguf_loader, loader
+from pagedserve.model_loader import files as loader
+from pagedserve.model_loader import gguf_file as gguf_loader
 
 Q = gguf.GGMLQuantizationType
 CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

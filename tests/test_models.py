@@ -23,7 +23,9 @@ import transformers
 from conftest import hf_greedy
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.models import gguf_loader, loader, registry
+from pagedserve.model_loader import files as loader
+from pagedserve.model_loader import gguf_file as gguf_loader
+from pagedserve.models import registry
 
 VOCAB = 256
 MAX_TOKENS = 32

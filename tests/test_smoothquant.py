@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from pagedserve.attention import get_attention_backend
-from pagedserve.models.int8 import int8_linear, quantize_weight
+from pagedserve.quantization.int8 import int8_linear, quantize_weight
 from pagedserve.models.layers import GemmaRMSNorm
-from pagedserve.models.loader import iter_weights, load_config
+from pagedserve.model_loader.files import iter_weights, load_config
 from pagedserve.models.registry import get_model_class
-from pagedserve.models.smoothquant import (
+from pagedserve.quantization.smoothquant import (
     NORM_ALPHA,
     _prefill,
     _scales,

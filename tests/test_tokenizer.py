@@ -6,7 +6,7 @@ import pytest
 import transformers
 
 from pagedserve import tokenizer as tok_mod
-from pagedserve.models.loader import resolve_model_path
+from pagedserve.model_loader.files import resolve_model_path
 
 TEXTS = ["Hello world", "héllo wörld — 日本語 🤖🎉 naïve café",
          "  def f(x):\n\treturn x**2  # spaces\n", "<|im_start|>user\nhi<|im_end|>"]

@@ -108,7 +108,7 @@ def test_named_deltas_stream_the_arguments():
 
 
 def test_serve_flags_parse_and_are_documented():
-    from pagedserve.engine.args import EngineArgs
+    from pagedserve.args import EngineArgs
     from pagedserve.entrypoints.cli import build_parser
 
     parser = build_parser()

@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pagedserve.benchmarks.datasets import random_samples
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs

@@ -356,7 +356,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_tokenizer_for(args: argparse.Namespace):
-    from pagedserve.models.loader import resolve_model_path
+    from pagedserve.model_loader.files import resolve_model_path
     from pagedserve.tokenizer import load_tokenizer
 
     name = args.tokenizer or args.model

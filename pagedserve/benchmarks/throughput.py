@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from pagedserve.benchmarks import datasets
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs

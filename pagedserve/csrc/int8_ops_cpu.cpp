@@ -1,4 +1,4 @@
-// The element-wise halves of the int8 W8A8 linear (pagedserve/models/int8.py), each one
+// The element-wise halves of the int8 W8A8 linear (pagedserve/quantization/int8.py), each one
 // pass over its rows instead of the 4-5 PyTorch ops (and temporaries) of the Python code,
 // which they must equal bit for bit: at a decode step those ops cost more in dispatch
 // than in arithmetic.

@@ -37,8 +37,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from pagedserve.distributed.executor import EngineDeadError
-from pagedserve.engine.args import EngineArgs
+from pagedserve.executor.multiproc import EngineDeadError
+from pagedserve.args import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.metrics import FinishedRequestStats, IterationStats, SchedulerStats
 from pagedserve.outputs import RequestOutput

@@ -22,17 +22,17 @@ from pagedserve.config import (
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.distributed.config import ParallelConfig
-from pagedserve.distributed.executor import create_executor
+from pagedserve.executor.multiproc import create_executor
 from pagedserve.distributed.group import RankGroup
 from pagedserve.distributed.sharding import make_tensor_parallel, shard_config, shard_weights
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
 from pagedserve.engine.timeline import StepTimeline
-from pagedserve.models.cpu_decode import CpuDecodeLayers
-from pagedserve.models.gguf_loader import iter_gguf_blocks
-from pagedserve.models.int8 import FLOAT_LAYERS, quantize_model
-from pagedserve.models.loader import iter_weights, load_config, resolve_model_path
-from pagedserve.models.quant import (
+from pagedserve.worker.cpu_decode import CpuDecodeLayers
+from pagedserve.model_loader.gguf_file import iter_gguf_blocks
+from pagedserve.quantization.int8 import FLOAT_LAYERS, quantize_model
+from pagedserve.model_loader.files import iter_weights, load_config, resolve_model_path
+from pagedserve.quantization.linear import (
     KERNEL_TYPES,
     MAX_ROWS,
     PACKED_MIN_ROWS,
@@ -42,7 +42,7 @@ from pagedserve.models.quant import (
     use_gguf_kernels,
 )
 from pagedserve.models.registry import get_model_class
-from pagedserve.models.smoothquant import calibration_token_ids, smooth_model, smoothable
+from pagedserve.quantization.smoothquant import calibration_token_ids, smooth_model, smoothable
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sample.sampler import make_generator

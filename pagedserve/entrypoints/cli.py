@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 
 # `pagedserve bench NAME` -> module with add_cli_args(parser) and main(args) -> exit code.
 BENCHMARKS = {

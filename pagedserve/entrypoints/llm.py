@@ -9,7 +9,7 @@ from dataclasses import fields
 from tqdm import tqdm
 
 from pagedserve.core.kv_cache_manager import KVCacheStats
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams

@@ -22,7 +22,7 @@ from pagedserve.models.llama import (
     head_dim_of,
     layer_sliding_window,
 )
-from pagedserve.models.loader import rope_scaling, rope_theta
+from pagedserve.model_loader.files import rope_scaling, rope_theta
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -20,7 +20,7 @@ from pagedserve.models.llama import (
     SandwichDecoderLayer,
     head_dim_of,
 )
-from pagedserve.models.loader import partial_rotary_factor, rope_scaling, rope_theta
+from pagedserve.model_loader.files import partial_rotary_factor, rope_scaling, rope_theta
 
 
 class GlmForCausalLM(LlamaForCausalLM):

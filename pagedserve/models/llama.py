@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
-from pagedserve.models.int8 import Int8Weight
+from pagedserve.quantization.int8 import Int8Weight
 from pagedserve.models.layers import (
     Embedding,
     PagedAttention,
@@ -27,8 +27,8 @@ from pagedserve.models.layers import (
     RotaryEmbedding,
     activation,
 )
-from pagedserve.models.loader import rope_scaling, rope_theta
-from pagedserve.models.quant import GGUFWeight, Linear, linear
+from pagedserve.model_loader.files import rope_scaling, rope_theta
+from pagedserve.quantization.linear import GGUFWeight, Linear, linear
 
 
 def head_dim_of(config) -> int:

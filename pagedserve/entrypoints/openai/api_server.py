@@ -35,7 +35,7 @@ from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedserve
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.engine.timeline import LatencyWindow, StatLoggers
 from pagedserve.entrypoints.openai.dashboard import PROTECTED_PATHS, add_dashboard_routes
@@ -56,7 +56,7 @@ from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import APIError, ServingContext
 from pagedserve.metrics import PrometheusStatLogger
-from pagedserve.models.loader import DEFAULT_MODEL
+from pagedserve.model_loader.files import DEFAULT_MODEL
 from pagedserve.tokenizer import encode_text
 
 logger = logging.getLogger("pagedserve.server")
@@ -452,7 +452,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     dp = engine_args.data_parallel_size
     if dp > 1:
-        from pagedserve.distributed.data_parallel import DataParallelLLM
+        from pagedserve.engine.data_parallel import DataParallelLLM
 
         engine = DataParallelLLM(engine_args)
     else:

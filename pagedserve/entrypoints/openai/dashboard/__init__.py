@@ -34,7 +34,7 @@ from pagedserve.engine.timeline import LatencyWindow
 from pagedserve.entrypoints.openai.serving_engine import APIError
 
 if TYPE_CHECKING:
-    from pagedserve.distributed.data_parallel import DataParallelLLM
+    from pagedserve.engine.data_parallel import DataParallelLLM
 
 logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"

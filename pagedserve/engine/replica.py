@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pagedserve.engine.args import EngineArgs
+from pagedserve.args import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.sampling_params import SamplingParams
 

@@ -26,8 +26,8 @@ from pagedserve.attention import get_attention_backend
 from pagedserve.config import CacheConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.distributed.group import RankGroup
 from pagedserve.distributed.sharding import shard_config
-from pagedserve.engine.args import EngineArgs
-from pagedserve.models.loader import load_config, resolve_model_path
+from pagedserve.args import EngineArgs
+from pagedserve.model_loader.files import load_config, resolve_model_path
 from pagedserve.worker.kv_cache import (
     allocate_kv_caches,
     bytes_per_block,

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from pagedserve.distributed.replica import ReplicaActor, ReplicaSummary, replica_cpus, run_replica
-from pagedserve.engine.args import EngineArgs
+from pagedserve.engine.replica import ReplicaActor, ReplicaSummary, replica_cpus, run_replica
+from pagedserve.args import EngineArgs
 from pagedserve.engine.async_engine import EngineClosedError, EngineStepError, RequestStream
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -93,7 +93,7 @@ class DataParallelLLM:
             raise
         tokenizer = None
         if not args.skip_tokenizer_init:
-            from pagedserve.models.loader import resolve_model_path
+            from pagedserve.model_loader.files import resolve_model_path
             from pagedserve.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(resolve_model_path(args.tokenizer) if args.tokenizer
@@ -130,7 +130,7 @@ class DataParallelLLM:
 
         import ray
 
-        from pagedserve.distributed.ray_executor import actor_runtime_env
+        from pagedserve.executor.ray_executor import actor_runtime_env
 
         n = args.data_parallel_size
         if not ray.is_initialized():

@@ -89,7 +89,7 @@ def quantize_model(model: nn.Module, lm_head: bool = True,
     """Replace the weight of every ``quant.Linear`` of ``model`` whose name does not end in
     one of ``skip`` by its int8 rows (the LM head only if ``lm_head``; a tied one gets
     ``model.tied_lm_head_quant``). Returns the number of weights quantized."""
-    from pagedserve.models.quant import Linear
+    from pagedserve.quantization.linear import Linear
 
     count = 0
     untied_head = None if model.tie_word_embeddings else model.lm_head

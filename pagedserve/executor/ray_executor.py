@@ -16,9 +16,9 @@ import os
 import pathlib
 
 import pagedserve
-from pagedserve.distributed.executor import DistributedExecutor
+from pagedserve.executor.multiproc import DistributedExecutor
 from pagedserve.distributed.group import STARTUP_TIMEOUT
-from pagedserve.distributed.worker import run_worker
+from pagedserve.worker.worker import run_worker
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from torch import nn
 from pagedserve.config import resolve_device
 from pagedserve.distributed.config import ParallelConfig
 from pagedserve.distributed.group import RankGroup, free_port
-from pagedserve.distributed.worker import rank_device, run_worker, threads_per_rank
-from pagedserve.engine.args import EngineArgs
+from pagedserve.worker.worker import rank_device, run_worker, threads_per_rank
+from pagedserve.args import EngineArgs
 from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -265,6 +265,6 @@ def create_executor(parallel: ParallelConfig, args: EngineArgs):
         return UniExecutor()
     if parallel.backend == "mp":
         return MultiprocExecutor(parallel, args)
-    from pagedserve.distributed.ray_executor import RayExecutor
+    from pagedserve.executor.ray_executor import RayExecutor
 
     return RayExecutor(parallel, args)

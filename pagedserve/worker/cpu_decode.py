@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from pagedserve.attention import AttentionMetadata
 from pagedserve.attention.cpu_attn import CpuAttention
-from pagedserve.models import quant
-from pagedserve.models.int8 import Int8Weight
+from pagedserve.quantization import linear as quant
+from pagedserve.quantization.int8 import Int8Weight
 from pagedserve.models.layers import RMSNorm
 
 # A projection's kind in llama_decode_layers, besides a GGUF type id (>= 0).

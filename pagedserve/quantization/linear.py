@@ -35,7 +35,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
-from pagedserve.models.int8 import Int8Weight, int8_linear
+from pagedserve.quantization.int8 import Int8Weight, int8_linear
 
 logger = logging.getLogger(__name__)
 
