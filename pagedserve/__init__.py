@@ -23,11 +23,11 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000000")
 
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.version import __version__
 
 if TYPE_CHECKING:
     from pagedserve.entrypoints.llm import LLM
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams", "__version__"]
 

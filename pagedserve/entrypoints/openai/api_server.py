@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import pagedserve
+from pagedserve.version import __version__
 from pagedserve.args import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.engine.timeline import LatencyWindow, StatLoggers
@@ -264,7 +264,7 @@ def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = No
         ctx.engine.shutdown()
         ctx.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan)
     app.openapi = lambda: openapi_document(app)
     install_error_handlers(app)
     if api_key:
@@ -291,7 +291,7 @@ def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = No
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": pagedserve.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics", response_class=Response, responses={200: {
         "description": "Prometheus text format", "content": {"text/plain": {}}}})
@@ -470,7 +470,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     app = build_app(ctx, stat_logger, api_key=args.api_key, latency=latency,
                     enable_dashboard=not args.disable_dashboard)
     block_size = core.args.block_size
-    logger.info("pagedserve %s: model %s (%s)", pagedserve.__version__, name, core.model_path)
+    logger.info("pagedserve %s: model %s (%s)", __version__, name, core.model_path)
     logger.info("device %s, dtype %s, torch threads %d", core.device,
                 str(core.dtype).removeprefix("torch."), engine.num_threads)
     logger.info("KV cache%s: %d blocks x %d tokens = %d tokens; max_model_len %d, "
