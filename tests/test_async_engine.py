@@ -11,13 +11,13 @@ from conftest import wait_until
 
 from pagedserve.core.kv_cache_manager import KVCacheStats
 from pagedserve.args import EngineArgs
-from pagedserve.engine.async_engine import (
-    AsyncLLM,
+from pagedserve.engine.async_engine import AsyncLLM
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.request_stream import (
     EngineClosedError,
     EngineStepError,
     RequestAbortedError,
 )
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.metrics import PrometheusStatLogger
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams

@@ -32,7 +32,7 @@ import torch
 
 from pagedserve.engine.replica import ReplicaActor, ReplicaSummary, replica_cpus, run_replica
 from pagedserve.args import EngineArgs
-from pagedserve.engine.async_engine import EngineClosedError, EngineStepError, RequestStream
+from pagedserve.engine.request_stream import EngineClosedError, EngineStepError, RequestStream
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
