@@ -18,6 +18,7 @@ import transformers
 import xgrammar as xgr
 
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
+from pagedserve.structured_output.grammar import MAX_WHITESPACE, grammar_from_spec
 
 PERSON = {
     "type": "object",
@@ -76,7 +77,8 @@ def _hf_constrained(model, tok, prompt: list[int], kind: str, value, max_new: in
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size)
     compiler = xgr.GrammarCompiler(info)
     if kind == "json":
-        compiled = compiler.compile_json_schema(json.dumps(value), any_whitespace=False)
+        compiled = compiler.compile_json_schema(json.dumps(value), any_whitespace=False,
+                                                separators=(",", ":"))
     elif kind == "regex":
         compiled = compiler.compile_regex(value)
     else:
@@ -263,11 +265,79 @@ def test_length_cut_and_stop_string(tiny_llm, llm):
     assert (stopped.outputs[0].text, stopped.outputs[0].finish_reason) == ("Paris", "stop")
 
 
+def _accepts(spec: StructuredOutputsParams, text: str) -> bool:
+    """True if ``spec``'s grammar accepts the whole of ``text`` (a matcher over no
+    vocabulary, fed characters)."""
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(
+        grammar_from_spec(spec))
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_terminated()
+
+
+def test_json_whitespace_bounded_or_none():
+    """Free whitespace between JSON tokens is bounded (a small model otherwise emits it
+    until max_tokens); disable_any_whitespace leaves none outside strings (compact JSON)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    free = StructuredOutputsParams(json=schema)
+    for ws in (" " * MAX_WHITESPACE, "\n" + " " * (MAX_WHITESPACE - 1)):
+        assert _accepts(free, '{' + ws + '"a" : "x y" }')
+        assert not _accepts(free, '{' + ws + ' "a": "x y"}')
+    compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    assert _accepts(compact, '{"a":"x y"}')
+    assert not _accepts(compact, '{"a": "x y"}') and not _accepts(compact, '{ "a":"x y"}')
+    any_object = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    assert _accepts(any_object, '{"a":[1,{"b":null}]}')
+    assert not _accepts(any_object, '{"a":[1, 2]}')
+
+
+def test_disable_any_whitespace_gives_compact_json(llm):
+    tok = llm.get_tokenizer()
+    schema = _bounded({"city": SHORT, "tags": {"type": "array", "items": SHORT,
+                                               "minItems": 2, "maxItems": 2}})
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=(
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
+    (out,) = llm.generate({"prompt_token_ids": _chat(tok, "Describe Paris as JSON.")}, params,
+                          use_tqdm=False)
+    text = out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
+    assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+
+
+# Three tools without parameters and a question none of them answers (issue 32): without a
+# bound on whitespace the bundled model wrote '[{"name": "list_tables", "parameters": {'
+# and then whitespace until max_tokens.
+NO_PARAMETER_TOOLS = [{"type": "function", "function": {"name": name, "description": what}}
+                      for name, what in [("list_tables", "List the database's tables"),
+                                         ("get_time", "The current time"),
+                                         ("get_date", "Today's date")]]
+
+
+def test_required_tool_choice_ends_with_tool_calls(llm):
+    """``tool_choice: "required"`` constrained as the server does it, greedy: a complete
+    call, not whitespace until ``max_tokens`` (what this request gave before whitespace was
+    bounded, here and with --dtype bfloat16)."""
+    from pagedserve.entrypoints.openai.tools import ToolMode, parse_output, tool_schema
+
+    mode = ToolMode("required", None, NO_PARAMETER_TOOLS)
+    spec = StructuredOutputsParams(json=tool_schema(mode, parallel=True))
+    (out,) = llm.chat([{"role": "user", "content": "What is the weather in Paris?"}],
+                      SamplingParams(temperature=0, max_tokens=200, structured_outputs=spec),
+                      use_tqdm=False)
+    content, calls, finish = parse_output(mode, out.outputs[0].text,
+                                          out.outputs[0].finish_reason)
+    assert (content, finish) == (None, "tool_calls"), out.outputs[0].text
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("list_tables", "{}")]
+
+
 BAD_SPECS = [
-    ({"json": {"type": "nonsense"}}, "structured_outputs.json"),
-    ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
-    ({"regex": "a(b"}, "structured_outputs.regex"),
-    ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
+    ({"json": {"type": "nonsense"}},
+     'structured_outputs.json cannot be compiled: Unsupported type "nonsense"'),
+    ({"json": "{not json"}, ("structured_outputs.json is not valid JSON: Expecting property "
+                             "name enclosed in double quotes: line 1 column 2 (char 1)")),
+    ({"regex": "a(b"}, ("structured_outputs.regex cannot be compiled: Regex parsing error at "
+                        "position 4: The parenthesis is not closed.")),
+    ({"grammar": "root ::= undefined_rule"}, ("structured_outputs.grammar cannot be compiled: "
+     'EBNF parser error at line 1, column 10: Rule "undefined_rule" is not defined')),
 ]
 
 
@@ -281,7 +351,7 @@ def test_bad_specs_raise_and_leave_others_running(tiny_llm, llm):
     engine.step()
     for kwargs, message in BAD_SPECS:
         bad = SamplingParams(structured_outputs=StructuredOutputsParams(**kwargs))
-        with pytest.raises(ValueError, match=re.escape(message)):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             engine.add_request("bad", prompt, bad)
         engine.step()
     done = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 from collections import OrderedDict
 
 import xgrammar as xgr
@@ -19,6 +20,15 @@ from pagedserve.sampling_params import StructuredOutputsParams
 
 # A JSON object of any shape (vLLM compiles json_object the same way).
 _ANY_OBJECT = '{"type": "object"}'
+# Most whitespace characters between two JSON tokens (xgrammar's max_whitespace_cnt) when
+# whitespace is free: llama.cpp's JSON grammars allow as much ("\n"{1,2} [ \t]{0,20}, "to
+# prevent the model running away"), room for indentation 5 levels deep. Unbounded, small
+# models fill the output with whitespace until max_tokens.
+MAX_WHITESPACE = 22
+# Without free whitespace: json.dumps' compact separators, no whitespace outside strings.
+_COMPACT = (",", ":")
+# xgrammar's error text is its C++ log line: "[01:22:35] /project/cpp/file.cc:5082: reason".
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
 def spec_key(spec: StructuredOutputsParams) -> tuple[str, str, bool]:
@@ -48,18 +58,32 @@ def _ebnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def xgrammar_reason(err: RuntimeError) -> str:
+    """The reason in an xgrammar error, without its log line's time and source position:
+    ``Unsupported type "nonsense"``."""
+    lines = str(err).strip().splitlines()
+    return _LOG_PREFIX.sub("", lines[-1]) if lines else repr(err)
+
+
 def grammar_from_spec(spec: StructuredOutputsParams) -> xgr.Grammar:
     """Parse ``spec`` into an ``xgrammar.Grammar`` (no tokenizer needed; milliseconds).
 
+    A JSON schema (``json``, ``json_object``) allows at most ``MAX_WHITESPACE`` whitespace
+    characters between two JSON tokens; with ``disable_any_whitespace`` none at all outside
+    strings (separators ``,`` and ``:``, as ``json.dumps(..., separators=(",", ":"))``).
+
     Raises:
-        ValueError: ``structured_outputs.<kind>: ...`` for a schema that is not valid JSON
-            or that xgrammar cannot convert, a regex or EBNF grammar that does not parse,
-            or an empty choice string.
+        ValueError: ``structured_outputs.<kind> cannot be compiled: <xgrammar's reason>``
+            for a schema that is not valid JSON or that xgrammar cannot convert, a regex or
+            EBNF grammar that does not parse, or an empty choice string.
     """
     kind, text, no_ws = spec_key(spec)
     try:
         if kind in ("json", "json_object"):
-            return xgr.Grammar.from_json_schema(text, any_whitespace=not no_ws)
+            if no_ws:
+                return xgr.Grammar.from_json_schema(text, any_whitespace=False,
+                                                    separators=_COMPACT)
+            return xgr.Grammar.from_json_schema(text, max_whitespace_cnt=MAX_WHITESPACE)
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":
@@ -69,8 +93,8 @@ def grammar_from_spec(spec: StructuredOutputsParams) -> xgr.Grammar:
                 "root ::= " + " | ".join(_ebnf_literal(c) for c in spec.choice))
         return xgr.Grammar.from_ebnf(text)
     except RuntimeError as err:  # xgrammar reports every parse failure as RuntimeError
-        detail = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
-        raise ValueError(f"structured_outputs.{kind} cannot be compiled: {detail}") from err
+        raise ValueError(f"structured_outputs.{kind} cannot be compiled: "
+                         f"{xgrammar_reason(err)}") from err
 
 
 class GrammarCache:
