@@ -21,11 +21,11 @@ import pytest
 import torch
 import transformers
 
-from pagedserve.benchmarks import datasets, serve
+from pagedserve.args import EngineArgs
+from pagedserve.benchmarks import datasets, serve, throughput
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.args import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints import cli
 from pagedserve.model_loader.files import resolve_model_path
@@ -208,6 +208,44 @@ def test_bench_throughput_command(tiny_model, tmp_path, capsys, scheduling):
         assert r["num_steps"] == sum(max(lens[i:i + 2]) for i in range(0, 6, 2))
     else:
         assert r["num_steps"] < sum(max(lens[i:i + 2]) for i in range(0, 6, 2))
+
+
+class _RecordingBar:
+    """Stands in for tqdm: keeps the total and every update."""
+
+    made: ClassVar[list[_RecordingBar]] = []
+
+    def __init__(self, total, **kwargs):
+        self.total, self.kwargs, self.updates = total, kwargs, []
+        self.made.append(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n):
+        self.updates.append(n)
+
+
+def test_bench_throughput_progress_counts_output_tokens(tiny_model, tmp_path, monkeypatch):
+    """The bar's unit is the output token: it moves on every step that samples (one token
+    per running request) instead of waiting for the requests, which all end together."""
+    monkeypatch.setattr(throughput, "tqdm", _RecordingBar)
+    _RecordingBar.made.clear()
+    out = tmp_path / "tp.json"
+    argv = ["bench", "throughput", str(tiny_model), "--dataset-name", "random",
+            "--num-prompts", "6", "--input-len", "8", "--output-len", "6", "--range-ratio",
+            "0.5", "--max-num-seqs", "2", "--output-json", str(out), *TINY]
+    assert cli.main([a for a in argv if a != "--disable-tqdm"]) == 0
+    r = json.loads(out.read_text())["result"]
+    (bar,) = _RecordingBar.made
+    assert (bar.total, bar.kwargs["unit"], bar.kwargs["disable"]) == (
+        r["expected_output_tokens"], "tok", False)
+    assert sum(bar.updates) == r["output_tokens"] == r["expected_output_tokens"]
+    assert len(bar.updates) == r["num_steps"]  # every step here samples (no chunked prefill)
+    assert bar.updates[:2] == [2, 2]  # two requests running from the first step
 
 
 def test_bench_throughput_timeline(tiny_model, tmp_path, capsys):

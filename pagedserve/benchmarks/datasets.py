@@ -70,7 +70,7 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", type=int, default=128, help="random: mean prompt length")
     g.add_argument("--output-len", type=int, default=None,
                    help=f"random: mean output length; others: output length of prompts "
-                        f"without a reference reply (default {DEFAULT_OUTPUT_LEN})")
+                        f"without a reference reply (default: {DEFAULT_OUTPUT_LEN})")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="random: lengths uniform in [len*(1-r), len*(1+r)], r in [0, 1)")
     g.add_argument("--max-output-len", type=int, default=None,

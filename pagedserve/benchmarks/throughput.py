@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from pagedserve.benchmarks import datasets
 from pagedserve.args import EngineArgs
+from pagedserve.benchmarks import datasets
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs
@@ -74,7 +74,9 @@ def run(engine: LLMEngine, samples: list[datasets.SampleRequest], detokenize: bo
     steps = sampled = 0
     output_tokens = 0
     decode_times: list[float] = []
-    with tqdm(total=len(samples), desc="Processed prompts", disable=not use_tqdm) as bar:
+    # Progress in output tokens: requests all finish near the end, tokens come every step.
+    expected = sum(s.expected_output_len for s in samples)
+    with tqdm(total=expected, desc="Output tokens", unit="tok", disable=not use_tqdm) as bar:
         while engine.has_unfinished_requests():
             pure_decode = not engine.scheduler.waiting and all(
                 r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running)
@@ -83,11 +85,11 @@ def run(engine: LLMEngine, samples: list[datasets.SampleRequest], detokenize: bo
             if pure_decode:
                 decode_times.append(time.perf_counter() - t0)
             steps += 1
-            sampled += len(outputs)  # the requests that produced a token
+            sampled += len(outputs)  # the requests that produced a token: one each
+            bar.update(len(outputs))
             for out in outputs:
                 if out.finished:
                     output_tokens += sum(len(c.token_ids) for c in out.outputs)
-                    bar.update(1)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(s.prompt_len for s in samples)
     return {
@@ -95,7 +97,7 @@ def run(engine: LLMEngine, samples: list[datasets.SampleRequest], detokenize: bo
         "num_requests": len(samples),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
-        "expected_output_tokens": sum(s.expected_output_len for s in samples),
+        "expected_output_tokens": expected,
         "elapsed_time": elapsed,
         "requests_per_second": len(samples) / elapsed,
         "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,

@@ -27,6 +27,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _summary(doc: str) -> str:
+    """A benchmark's summary for ``bench --help``: its docstring's first line after the
+    command's name, without reST markup."""
+    return doc.splitlines()[0].partition(": ")[2].replace("``", "")
+
+
 def _add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="Hugging Face model directory or .gguf file "
@@ -90,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, module in BENCHMARKS.items():
         mod = importlib.import_module(module)
-        p = bench_sub.add_parser(name, help=mod.__doc__.splitlines()[0],
+        p = bench_sub.add_parser(name, help=_summary(mod.__doc__),
                                  formatter_class=_HelpFormatter)
         mod.add_cli_args(p)
         p.set_defaults(bench_main=mod.main)
