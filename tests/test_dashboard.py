@@ -26,8 +26,8 @@ from conftest import free_port, wait_until
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.engine.async_engine import EngineClosedError
-from pagedserve.entrypoints.openai.api_server import build_app
+from pagedserve.engine.request_stream import EngineClosedError
+from pagedserve.entrypoints.openai.app import build_app
 from pagedserve.entrypoints.openai.dashboard import SnapshotHub
 from pagedserve.entrypoints.openai.serving_engine import ServingContext
 

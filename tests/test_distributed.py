@@ -23,8 +23,9 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.executor.multiproc import EngineDeadError
 from pagedserve.distributed.sharding import kv_head_range, shard_config, shard_weights
 from pagedserve.args import EngineArgs
-from pagedserve.engine.async_engine import AsyncLLM, EngineClosedError, EngineStepError
-from pagedserve.entrypoints.openai.api_server import build_app
+from pagedserve.engine.async_engine import AsyncLLM
+from pagedserve.engine.request_stream import EngineClosedError, EngineStepError
+from pagedserve.entrypoints.openai.app import build_app
 from pagedserve.entrypoints.openai.serving_engine import ServingContext
 
 

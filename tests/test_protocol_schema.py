@@ -1,16 +1,16 @@
-"""Request models of the OpenAI API (pagedserve/entrypoints/openai/protocol.py) without a
+"""Request models of the OpenAI API (pagedserve/entrypoints/openai/protocol*.py) without a
 server: unknown fields are accepted and named in a DEBUG log line, as vLLM's."""
 
 import logging
 
 import pytest
 
-from pagedserve.entrypoints.openai.protocol import (
+from pagedserve.entrypoints.openai.protocol_chat import (
     AssistantMessage,
     ChatCompletionRequest,
-    CompletionRequest,
     UserMessage,
 )
+from pagedserve.entrypoints.openai.protocol_completion import CompletionRequest
 
 LOGGER = "pagedserve.entrypoints.openai.protocol"
 IGNORED = "The following fields were present in the request but ignored: "

@@ -8,9 +8,10 @@ import threading
 
 import pytest
 
-from pagedserve.entrypoints.openai.protocol import CompletionRequest
+from pagedserve.entrypoints.openai.errors import APIError
+from pagedserve.entrypoints.openai.protocol_completion import CompletionRequest
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_engine import APIError, ServingContext
+from pagedserve.entrypoints.openai.serving_engine import ServingContext
 
 
 class _Added(Exception):

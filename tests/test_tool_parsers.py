@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedserve.entrypoints.openai.serving_engine import APIError, request_constraint
+from pagedserve.entrypoints.openai.errors import APIError
+from pagedserve.entrypoints.openai.protocol_chat import ChatCompletionRequest
+from pagedserve.entrypoints.openai.request_params import request_constraint
 from pagedserve.entrypoints.openai.tool_parsers import HermesStream, hermes_extract
 from pagedserve.entrypoints.openai.tools import DeltaStream, parse_output, tool_mode, tool_schema
 

@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from pagedserve.entrypoints.openai.protocol import (
+from pagedserve.entrypoints.openai.errors import APIError, engine_error
+from pagedserve.entrypoints.openai.protocol import UsageInfo
+from pagedserve.entrypoints.openai.protocol_chat import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -28,19 +30,20 @@ from pagedserve.entrypoints.openai.protocol import (
     ChatMessage,
     ChatMessageResponse,
     TopLogprob,
-    UsageInfo,
 )
-from pagedserve.entrypoints.openai.serving_engine import (
-    APIError,
-    ServingContext,
+from pagedserve.entrypoints.openai.request_params import (
     add_requests,
-    clamp_logprob,
-    engine_error,
-    merge_streams,
-    message_to_dict,
-    random_id,
     request_constraint,
     sampling_params,
+)
+from pagedserve.entrypoints.openai.serving_engine import (
+    ServingContext,
+    clamp_logprob,
+    message_to_dict,
+    random_id,
+)
+from pagedserve.entrypoints.openai.streaming import (
+    merge_streams,
     sse,
     sse_error,
     until_disconnected,

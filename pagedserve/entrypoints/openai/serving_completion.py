@@ -17,7 +17,9 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from pagedserve.entrypoints.openai.protocol import (
+from pagedserve.entrypoints.openai.errors import APIError, engine_error
+from pagedserve.entrypoints.openai.protocol import UsageInfo
+from pagedserve.entrypoints.openai.protocol_completion import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
@@ -25,18 +27,15 @@ from pagedserve.entrypoints.openai.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
     PromptLogprob,
-    UsageInfo,
 )
-from pagedserve.entrypoints.openai.serving_engine import (
-    APIError,
-    ServingContext,
+from pagedserve.entrypoints.openai.request_params import (
     add_requests,
-    clamp_logprob,
-    engine_error,
-    merge_streams,
-    random_id,
     request_constraint,
     sampling_params,
+)
+from pagedserve.entrypoints.openai.serving_engine import ServingContext, clamp_logprob, random_id
+from pagedserve.entrypoints.openai.streaming import (
+    merge_streams,
     sse,
     sse_error,
     until_disconnected,

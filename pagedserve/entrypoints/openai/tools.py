@@ -25,13 +25,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.entrypoints.openai.protocol import (
+from pagedserve.entrypoints.openai.errors import APIError
+from pagedserve.entrypoints.openai.protocol_chat import (
     ChatCompletionRequest,
     FunctionCall,
     NamedToolChoice,
     ToolCall,
 )
-from pagedserve.entrypoints.openai.serving_engine import APIError
 from pagedserve.entrypoints.openai.tool_parsers import (
     HermesStream,
     ParsedCall,

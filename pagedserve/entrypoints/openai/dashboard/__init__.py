@@ -28,10 +28,11 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from pagedserve.engine.async_engine import AsyncLLM, EngineClosedError
+from pagedserve.engine.async_engine import AsyncLLM
+from pagedserve.engine.request_stream import EngineClosedError
 from pagedserve.engine.snapshot import latency_percentiles, merge_snapshots, take_snapshot
 from pagedserve.engine.timeline import LatencyWindow
-from pagedserve.entrypoints.openai.serving_engine import APIError
+from pagedserve.entrypoints.openai.errors import APIError
 
 if TYPE_CHECKING:
     from pagedserve.engine.data_parallel import DataParallelLLM
