@@ -305,3 +305,43 @@ def test_dp2_ray_replicas_on_two_nodes(tiny_llama, ray_cluster):
         assert asyncio.run(main()) == ref
     finally:
         dp.shutdown()
+
+
+def test_ray_fails_at_once_when_the_cluster_has_too_few_cpus(tiny_llama, ray_cluster):
+    """4 ranks on a cluster of 2 CPUs could never be placed: a RuntimeError naming both
+    numbers before any actor starts, not after the 600 s start-up timeout."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^4 tensor-parallel ranks need 4 CPUs of the Ray "
+                                           r"cluster \(one each\); it has 2 \(\d+ free\)"):
+        LLM(str(tiny_llama[0]), **ENGINE, tensor_parallel_size=4,
+            distributed_executor_backend="ray")
+    assert time.monotonic() - start < 120  # the placement group's wait is 600 s
+
+
+def test_local_ray_declares_a_cpu_per_rank(monkeypatch):
+    """With no cluster to join, the local Ray instance gets max(cores, ranks) logical CPUs
+    (so 3 ranks start on 2 cores, as with mp); with RAY_ADDRESS, ray.init's own rules."""
+    ray = pytest.importorskip("ray")
+    from pagedserve.executor import ray_executor
+
+    calls = []
+
+    def fake_init(**kwargs):
+        calls.append(kwargs)
+        if kwargs.get("address") == "auto":
+            raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    env = ray_executor.actor_runtime_env()
+    for ranks, declared in [(cores + 1, cores + 1), (1, cores)]:
+        calls.clear()
+        ray_executor.init_ray(ranks)
+        assert calls == [{"address": "auto", "runtime_env": env},
+                         {"num_cpus": declared, "runtime_env": env}]
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    calls.clear()
+    ray_executor.init_ray(cores + 1)
+    assert calls == [{"runtime_env": env}]

@@ -2,10 +2,16 @@
 
 The cluster is found as ``ray.init()`` finds it (``RAY_ADDRESS``, else a cluster started
 with ``ray start`` on this machine); with none, a local Ray instance starts, as vLLM's
-does. One placement group holds a ``{"CPU": 1}`` bundle per rank (strategy ``PACK``: as
-few machines as the free CPUs allow); the bundle on the driver's node is rank 0's (this
-process), the others get one actor each. The ranks then meet over ``torch.distributed``
-at the driver's node IP; Ray only places, starts and watches them.
+does, declaring at least one logical CPU per rank (as the ``mp`` backend, it runs 3 ranks
+on 2 cores; Ray alone would declare the cores). One placement group holds a ``{"CPU": 1}``
+bundle per rank (strategy ``PACK``: as few machines as the free CPUs allow); the bundle
+on the driver's node is rank 0's (this process), the others get one actor each. The ranks
+then meet over ``torch.distributed`` at the driver's node IP; Ray only places, starts and
+watches them.
+
+A cluster with fewer CPUs in all than ranks fails at once (``RuntimeError`` with both
+numbers); one with enough CPUs, too few of them free, waits up to ``STARTUP_TIMEOUT`` s
+for them (logged with the numbers).
 """
 
 from __future__ import annotations
@@ -46,17 +52,51 @@ def actor_runtime_env() -> dict:
     return {"env_vars": {"PYTHONPATH": path}}
 
 
+def init_ray(num_ranks: int) -> None:
+    """Connect to the Ray cluster as ``ray.init()`` would, or start a local one declaring
+    ``max(cores, num_ranks)`` logical CPUs; nothing if Ray is initialized already."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=actor_runtime_env())
+        return
+    try:  # a cluster started with `ray start` on this machine
+        ray.init(address="auto", runtime_env=actor_runtime_env())
+    except ConnectionError:
+        cpus = max(len(os.sched_getaffinity(0)), num_ranks)
+        logger.info("starting a local Ray instance with %d logical CPUs", cpus)
+        ray.init(num_cpus=cpus, runtime_env=actor_runtime_env())
+
+
+def check_cpus(num_ranks: int) -> None:
+    """Raise ``RuntimeError`` at once if the Ray cluster has fewer CPUs than ranks (its
+    placement group could never be placed); log when too few are free now (it waits)."""
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 0)
+    free = ray.available_resources().get("CPU", 0)
+    if total < num_ranks:
+        raise RuntimeError(f"{num_ranks} tensor-parallel ranks need {num_ranks} CPUs of the "
+                           f"Ray cluster (one each); it has {total:g} ({free:g} free): start "
+                           "its nodes with more --num-cpus, or use fewer ranks")
+    if free < num_ranks:
+        logger.warning("the Ray cluster has %g of its %g CPUs free; %d ranks need %d: "
+                       "waiting up to %g s", free, total, num_ranks, num_ranks, STARTUP_TIMEOUT)
+
+
 class RayExecutor(DistributedExecutor):
     """Ranks 1.. as Ray actors. ``rank_nodes[r]`` is the Ray node id of rank r.
 
-    Raises ``RuntimeError`` when the placement group cannot be placed within
-    ``STARTUP_TIMEOUT`` s or has no bundle on the driver's node."""
+    Raises ``RuntimeError`` at once when the cluster has fewer CPUs than ranks, and when
+    the placement group cannot be placed within ``STARTUP_TIMEOUT`` s or has no bundle on
+    the driver's node."""
 
     def _host(self) -> str:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(runtime_env=actor_runtime_env())
+        init_ray(self.world_size)
         return ray.util.get_node_ip_address()
 
     def _start_ranks(self, host: str, port: int) -> int:
@@ -64,6 +104,7 @@ class RayExecutor(DistributedExecutor):
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        check_cpus(self.world_size)
         self.pg = placement_group([{"CPU": 1}] * self.world_size, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=STARTUP_TIMEOUT)
