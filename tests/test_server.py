@@ -691,7 +691,8 @@ def test_error_cases(http, method, path, body, status, param):
 
 
 @pytest.mark.parametrize(("body", "headers", "quoted"), [
-    ("x" * 100_000, {"Content-Type": "text/plain"}, "100000 bytes that are not a JSON object"),
+    ("x" * 100_000, {"Content-Type": "text/plain"}, "got 'text/plain'"),
+    ("x", {"Content-Type": "text/" + "x" * 5000}, "... (5007 characters)"),
     (json.dumps({"model": MODEL, "prompt": "x", "temperature": "h" * 100_000}),
      {"Content-Type": "application/json"}, "... (100002 characters)"),
 ])
@@ -700,6 +701,40 @@ def test_error_messages_do_not_echo_large_inputs(http, body, headers, quoted):
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert quoted in message and len(message) < 300, message
+
+
+def _openai_error(message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+
+
+@pytest.mark.parametrize(("headers", "got"), [
+    ({"Content-Type": "application/x-www-form-urlencoded"},  # curl -d's default
+     "'application/x-www-form-urlencoded'"),
+    ({"Content-Type": "text/plain; charset=utf-8"}, "'text/plain; charset=utf-8'"),
+    ({}, "no Content-Type header"),
+])
+def test_json_body_needs_the_json_content_type(http, headers, got):
+    """A JSON body under another content type stays refused (a cross-site form may carry
+    it: CVE-2021-32677); the error names the header it needs and the one it got (issue 32)."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1})
+    r = http.post("/v1/completions", content=body, headers=headers)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == _openai_error(
+        f"The Content-Type header must be 'application/json'; got {got}")
+
+
+@pytest.mark.parametrize(("body", "where"), [
+    (b'{\n  "model": "SmolLM2-135M-Instruct",\n  "prompt": "x",\n  "max_tokens": 2,\n}',
+     "line 5 column 1 (char 74)"),
+    (b'{"prompt": "x", "max_tokens": 2,, "n": 1}', "line 1 column 33 (char 32)"),
+])
+def test_malformed_json_names_line_and_column(http, body, where):
+    """The parser's message with the line and column where it stopped (issue 32)."""
+    r = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == _openai_error(
+        "We could not parse the JSON body of your request: Expecting property name enclosed "
+        f"in double quotes: {where}")
 
 
 def test_auth_and_openai_exceptions(ready, client):

@@ -116,24 +116,47 @@ def _error_param(err: dict) -> str | None:
 
 def _shown(value: object, limit: int = 80) -> str:
     """A rejected value as the error message quotes it: objects by type, long values cut
-    (a body sent as text/plain arrives as bytes; a message must not echo megabytes)."""
+    (a message must not echo megabytes)."""
     if isinstance(value, (dict, list)):
         return type(value).__name__
-    if isinstance(value, bytes):
-        return f"{len(value)} bytes that are not a JSON object"
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """The 400 for a request body FastAPI/pydantic rejected (JSON syntax, types, ranges)."""
+def _json_syntax_error(err: dict, doc: object) -> APIError:
+    """The 400 for a body that is not JSON: the parser's message with the line and column
+    (1-based, as ``json.JSONDecodeError`` counts them) where it stopped. FastAPI's error
+    gives the character offset (the last item of ``loc``) and ``doc``, the body's text."""
+    detail = err.get("ctx", {}).get("error", err.get("msg", ""))
+    loc = err.get("loc", ())
+    pos = loc[-1] if loc else None
+    if isinstance(doc, str) and isinstance(pos, int):
+        line = doc.count("\n", 0, pos) + 1
+        column = pos - doc.rfind("\n", 0, pos)
+        detail = f"{detail}: line {line} column {column} (char {pos})"
+    return APIError(400, f"We could not parse the JSON body of your request: {detail}")
+
+
+def _content_type_error(content_type: str | None) -> APIError:
+    """The 400 for a body FastAPI did not parse because its ``Content-Type`` is not JSON's
+    (curl's ``-d`` sends ``application/x-www-form-urlencoded``). Such a body is refused
+    even when it is JSON: a browser may send a form cross-site without a CORS preflight
+    (CVE-2021-32677)."""
+    got = "no Content-Type header" if content_type is None else _shown(content_type)
+    return APIError(400, f"The Content-Type header must be 'application/json'; got {got}")
+
+
+def validation_error(exc: RequestValidationError, content_type: str | None) -> APIError:
+    """The 400 for a request body FastAPI/pydantic rejected (content type, JSON syntax,
+    types, ranges); ``content_type``: the request's ``Content-Type`` header, if any."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        detail = first.get("ctx", {}).get("error", first.get("msg", ""))
-        return APIError(400, f"We could not parse the JSON body of your request: {detail}")
+        return _json_syntax_error(first, exc.body)
+    if isinstance(first.get("input"), bytes):  # FastAPI parses JSON content types only
+        return _content_type_error(content_type)
     if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
         return APIError(400, "the request body is missing; send a JSON object")
     messages = []
@@ -156,8 +179,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc, request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
