@@ -737,6 +737,60 @@ def test_malformed_json_names_line_and_column(http, body, where):
         f"in double quotes: {where}")
 
 
+def _too_long(prompt_tokens: int, max_tokens: int) -> str:
+    return (f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+            f"({MAX_MODEL_LEN})")
+
+
+def _no_room(prompt_tokens: int) -> str:
+    return (f"the prompt has {prompt_tokens} tokens; max_model_len is {MAX_MODEL_LEN}, so no "
+            "token can be generated")
+
+
+@pytest.mark.parametrize(("body", "error"), [
+    # max_tokens alone exceeds max_model_len: OpenAI names max_tokens
+    ({"prompt": [1, 2, 3], "max_tokens": MAX_MODEL_LEN + 1},
+     _openai_error(_too_long(3, MAX_MODEL_LEN + 1), "max_tokens")),
+    ({"prompt": [[1, 2], [3]], "max_tokens": 5000},
+     _openai_error(_too_long(2, 5000), "max_tokens")),
+    # else the prompt does not fit: context_length_exceeded
+    ({"prompt": LONG[:1000], "max_tokens": MAX_MODEL_LEN},
+     _openai_error(_too_long(1000, MAX_MODEL_LEN), "prompt", "context_length_exceeded")),
+    ({"prompt": LONG[:1020]},  # max_tokens defaults to 16
+     _openai_error(_too_long(1020, 16), "prompt", "context_length_exceeded")),
+    ({"prompt": LONG}, _openai_error(_no_room(len(LONG)), "prompt", "context_length_exceeded")),
+    ({"prompt": [[1, 2], LONG], "max_tokens": 2},
+     _openai_error(f"prompt[1]: {_no_room(len(LONG))}", "prompt[1]", "context_length_exceeded")),
+])
+def test_completion_context_length_errors(http, body, error):
+    r = http.post("/v1/completions", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == error
+
+
+LONG_CHAT = [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 50)}]
+
+
+@pytest.mark.parametrize(("messages", "extra", "param", "code", "message"), [
+    (CHAT_OK, {"max_tokens": MAX_MODEL_LEN + 1}, "max_tokens", None,
+     lambda n: _too_long(n, MAX_MODEL_LEN + 1)),
+    (CHAT_OK, {"max_completion_tokens": 5000}, "max_completion_tokens", None,
+     lambda n: _too_long(n, 5000)),
+    (CHAT_OK, {"max_completion_tokens": MAX_MODEL_LEN - 1}, "messages",
+     "context_length_exceeded", lambda n: _too_long(n, MAX_MODEL_LEN - 1)),
+    (LONG_CHAT, {}, "messages", "context_length_exceeded", _no_room),
+])
+def test_chat_context_length_errors(client, http, messages, extra, param, code, message):
+    """As OpenAI answers, seen through its client: ``param`` names max_tokens (or
+    max_completion_tokens, the field sent) when it alone exceeds max_model_len, else
+    ``messages`` with ``code: context_length_exceeded`` (issue 32)."""
+    n = len(http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, **extra)
+    assert (info.value.param, info.value.code) == (param, code)
+    assert info.value.body == _openai_error(message(n), param, code)
+
+
 def test_auth_and_openai_exceptions(ready, client):
     assert httpx.get(ready.url + "/health").status_code == 200  # open without a key
     assert httpx.get(ready.url + "/metrics").status_code == 200

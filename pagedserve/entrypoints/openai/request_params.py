@@ -4,6 +4,7 @@ constraint or the engine rejects becomes a 400 naming the request field at fault
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from pagedserve.engine.async_engine import AsyncLLM
@@ -140,16 +141,37 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         raise bad_request(err, _SAMPLING_NAMES) from err
 
 
+# The engine's errors for a prompt that does not fit (``LLMEngine``'s checks of a request);
+# group 1 is its max_model_len.
+_TOO_LONG = (
+    re.compile(r"prompt \(\d+ tokens\) \+ max_tokens \(\d+\) exceeds max_model_len \((\d+)\)"),
+    re.compile(r"the prompt has \d+ tokens; max_model_len is (\d+), so no token can be generated"),
+)
+
+
+def _exceeded_max_model_len(message: str) -> int | None:
+    """The max_model_len an engine error says the request exceeds, or None for another
+    error."""
+    for pattern in _TOO_LONG:
+        match = pattern.fullmatch(message)
+        if match:
+            return int(match.group(1))
+    return None
+
+
 async def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params: SamplingParams,
                        arrival_time: float, prompt_param: str = "prompt",
-                       indexed: bool = False,
-                       constraint: Constraint | None = None) -> list[RequestStream]:
+                       indexed: bool = False, constraint: Constraint | None = None,
+                       max_tokens_param: str = "max_tokens") -> list[RequestStream]:
     """Add one engine request per prompt (ids ``base_id`` or ``base_id-i``); all or none.
 
     Raises ``APIError`` 400 for a prompt the engine rejects: ``param`` is the sampling field
     named in the message, else ``prompt_param``, or with ``indexed`` (a batch of prompts)
     ``prompt_param[i]``, which then also starts the message; a constraint that does not
-    compile names ``constraint``'s field. 503 when the engine is shutting down."""
+    compile names ``constraint``'s field. A request longer than max_model_len is OpenAI's
+    error: ``param`` is ``max_tokens_param`` (the request's field for ``params.max_tokens``)
+    when max_tokens alone exceeds max_model_len, else the prompt's field, with code
+    ``context_length_exceeded``. 503 when the engine is shutting down."""
     streams: list[RequestStream] = []
     i = 0
     try:
@@ -163,6 +185,12 @@ async def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params: Sa
             api = bad_request(err, _SAMPLING_NAMES)
             if constraint is not None:
                 api = constraint.rename(api)
+            max_model_len = _exceeded_max_model_len(api.message)
+            if max_model_len is not None:
+                if params.max_tokens is not None and params.max_tokens > max_model_len:
+                    api.param = max_tokens_param
+                else:
+                    api.code = "context_length_exceeded"
             if api.param is None:
                 api.param = f"{prompt_param}[{i}]" if indexed else prompt_param
                 if indexed:

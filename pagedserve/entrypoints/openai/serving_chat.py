@@ -111,7 +111,10 @@ class OpenAIServingChat:
         request_id = random_id("chatcmpl")
         streams = await add_requests(self.ctx.engine, request_id,
                                      [{"prompt_token_ids": prompt_ids}], params, arrival,
-                                     prompt_param="messages", constraint=constraint)
+                                     prompt_param="messages", constraint=constraint,
+                                     max_tokens_param=("max_completion_tokens"
+                                                       if req.max_completion_tokens
+                                                       else "max_tokens"))
         echo = echo_text(req.messages) if req.echo else ""
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, streams, top, echo, mode),
