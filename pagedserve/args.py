@@ -5,6 +5,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+# The help of --quantization; README.md (Models) quotes it word for word (a test checks).
+QUANTIZATION_HELP = (
+    "unset or gguf: on CPU with one rank, the Q4_1 and Q8_0 weights of a .gguf model stay "
+    "GGUF blocks that steps of up to 64 tokens multiply by directly, with the activations "
+    "rounded to 8 bits per block of 32 (in any --dtype; not token-exact); int8: W8A8, "
+    "weights quantized per output channel at load after SmoothQuant, activations per token "
+    "(CPU only; not exact); none: dequantized weights only (exact with --dtype float32)")
+
 
 @dataclass
 class EngineArgs:
@@ -62,7 +70,8 @@ class EngineArgs:
         parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                             help="most sequences in one engine step")
         parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                            help="most tokens (prefill + decode) in one engine step (default 2048)")
+                            help="most tokens (prefill + decode) in one engine step "
+                                 "(default: 2048)")
         parser.add_argument("--max-model-len", type=int, default=None,
                             help="longest sequence, prompt + output, in tokens (default: the model's)")
         parser.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -86,12 +95,7 @@ class EngineArgs:
                             help="auto: read the checkpoint; dummy: random weights of the "
                                  "model's shapes (benchmarks)")
         parser.add_argument("--quantization", "-q", default=None,
-                            choices=["gguf", "int8", "none"],
-                            help="unset or gguf: GGUF Q4_1/Q8_0 weights of a .gguf model stay "
-                                 "quantized for steps of few tokens (CPU, float32; exact up to "
-                                 "summation order); int8: W8A8, weights quantized per output "
-                                 "channel at load, activations per token (CPU only; not "
-                                 "exact); none: dequantized weights only")
+                            choices=["gguf", "int8", "none"], help=QUANTIZATION_HELP)
         parser.add_argument("--scheduling", default=d.scheduling,
                             choices=["continuous", "static"],
                             help="continuous batching, or static batches (a baseline: a "
@@ -117,7 +121,7 @@ class EngineArgs:
                                  "through RAY_ADDRESS or `ray start`, else a local one)")
         parser.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
                             help="seconds a rank may take for one collective before the "
-                                 "engine declares it hung and stops (default 300)")
+                                 "engine declares it hung and stops (default: 300)")
         parser.add_argument("--structured-outputs-config.backend", default="auto",
                             dest="structured_outputs_backend", choices=["auto", "xgrammar"],
                             help="engine of structured outputs (response_format, "

@@ -37,3 +37,42 @@ def test_package_still_exports_llm():
     assert pagedserve.LLM is LLM
     with pytest.raises(AttributeError):
         pagedserve.no_such_name  # noqa: B018
+
+
+def _helps(parser) -> dict[str, str]:
+    """``--help`` of ``parser`` and of every subcommand under it, by command line."""
+    import argparse
+
+    out = {parser.prog: parser.format_help()}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _helps(sub)
+    return out
+
+
+def test_help_is_plain_text_with_one_default_style():
+    """No reST markup in any --help (the bench summaries come from docstrings), and every
+    default the help text states itself reads "(default: ...)", as argparse's own do."""
+    import re
+
+    from pagedserve.entrypoints.cli import build_parser
+
+    helps = _helps(build_parser())
+    assert len(helps) == 9  # pagedserve, serve, generate, chat, bench + 4 benchmarks
+    bench = helps["pagedserve bench"]
+    assert "throughput          offline throughput, all requests queued at once." in bench
+    for prog, text in helps.items():
+        assert "``" not in text, prog
+        assert re.findall(r"\(default(?!:)", text) == [], prog
+
+
+def test_readme_quotes_the_quantization_help():
+    """README.md's Models section says of --quantization what `serve --help` says."""
+    from pathlib import Path
+
+    from pagedserve.args import QUANTIZATION_HELP
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    models = readme[readme.index("\n## Models\n"):readme.index("\n## Benchmarks\n")]
+    assert f"`--quantization`: {QUANTIZATION_HELP}." in " ".join(models.split())
