@@ -17,7 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from pagedserve import LLM
-from pagedserve.quantization.linear import Linear
+from pagedserve.quantization.base import Linear
 
 
 def main() -> None:
@@ -26,10 +26,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1, help="rows of x (tokens in the step)")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    model = LLM(dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20).engine.model
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    model = llm.engine.executor.driver_worker.model
     torch.set_num_threads(args.threads)
-    quants = [m.quant for m in model.modules() if isinstance(m, Linear)]
-    quants.append(model.tied_lm_head_quant)  # in forward order: 30 x (qkv, o, gate_up, down), head
+    # in forward order: 30 x (qkv, o, gate_up, down), then the (tied) head
+    quants = [m.method for m in model.modules() if isinstance(m, Linear)]
     gen = torch.Generator().manual_seed(0)
     steps = [(q.qweight, int(q.qtype),
               torch.randn(args.rows, q.qweight.shape[1] // GGML_QUANT_SIZES[q.qtype][1] * 32,

@@ -102,7 +102,7 @@ def decode_throughput(llm, batch: int, prompt_len: int, steps: int, vocab: int) 
     from pagedserve import SamplingParams
 
     engine = llm.engine
-    runner = engine.model_runner
+    runner = engine.executor.driver_worker.model_runner
     captured = runner.decode_graphs
     graphs = captured if captured is not None and batch <= captured.max_batch_size else None
     # None = up to max_model_len (prompt + 2 x steps + 128): nobody finishes while timed,
@@ -185,9 +185,9 @@ def main() -> None:
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   enable_prefix_caching=False)
         load_s = time.perf_counter() - t0
-    prof = llm.engine.memory_profile
-    backend = llm.engine.attention_backend.name
-    graphs = llm.engine.model_runner.decode_graphs
+    prof = llm.engine.executor.driver_worker.memory_profile
+    backend = llm.engine.executor.driver_worker.attention_backend.name
+    graphs = llm.engine.executor.driver_worker.model_runner.decode_graphs
     weights = prof.weights
     print(f"\nengine up in {load_s:.1f} s: weights {weights / 2**30:.1f} GiB, activation peak "
           f"{prof.peak_activation / 2**30:.2f} GiB, KV pool {llm.engine.num_blocks} blocks "

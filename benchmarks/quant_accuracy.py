@@ -32,7 +32,8 @@ import math
 from pathlib import Path
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.quantization import linear as quant_module
+from pagedserve.quantization import gguf as quant_module
+from pagedserve.quantization.none import FloatWeight
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 REFERENCES = "mt_bench_reference_answer_gpt-4.jsonl"
@@ -100,7 +101,9 @@ def make_llm(model: str | None, variant: str) -> LLM:
     llm = LLM(model, dtype=dtype, quantization=quant, max_model_len=2048,
               kv_cache_dtype="bfloat16" if kv == "kv-bf16" else "auto")
     if variant == "int8-fp32-head":
-        llm.engine.model.tied_lm_head_quant = None  # back to the float32 embedding
+        model = llm.engine.executor.driver_worker.model
+        model.tie_lm_head()  # back to the float32 embedding
+        model.lm_head.method = FloatWeight()
     return llm
 
 

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedserve.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -51,8 +47,9 @@ class Request:
 
     ``all_token_ids`` is the prompt followed by the output so far; tokens
     ``[0, num_computed_tokens)`` have their K/V in the cache. ``grammar`` is the
-    sequence's structured-output state (None when unconstrained); the scheduler never
-    looks at it.
+    sequence's structured-output state (None when unconstrained): made, advanced and read
+    by ``structured_output`` (a ``RequestGrammar``), only held here; neither the request
+    nor the scheduler looks inside, so this module does not import that one.
     """
 
     def __init__(
@@ -63,7 +60,7 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float | None = None,
         generator: torch.Generator | None = None,
-        grammar: RequestGrammar | None = None,
+        grammar: object | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)

@@ -1,4 +1,4 @@
-"""The C++ decode step (models/cpu_decode.py, csrc/decode_layers_cpu.cpp) against the
+"""The C++ decode step (worker/cpu_decode.py, csrc/decode_layers_cpu.cpp) against the
 Python layers it replaces: bit-equal logprobs and tokens, and which models it serves."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import cpu_ops_available
-from pagedserve.worker.cpu_decode import KIND_FLOAT, KIND_INT8, CpuDecodeLayers
+from pagedserve.quantization.base import KIND_FLOAT, KIND_INT8
+from pagedserve.worker.cpu_decode import CpuDecodeLayers
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU kernels unavailable")
 
@@ -37,10 +38,10 @@ def test_decode_layers_equal_the_python_layers(engine, chat_prompts, monkeypatch
     lengths finish), up to 24 tokens each with their top-3 logprobs: the same floats both
     ways."""
     name, llm = engine
-    model = llm.engine.model
+    model = llm.engine.executor.driver_worker.model
     fast = model.cpu_decode
     assert fast is not None
-    kinds = KINDS[name] or [int(p.quant.qtype) for p in (
+    kinds = KINDS[name] or [int(p.method.qtype) for p in (
         model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj,
         model.layers[0].mlp.gate_up_proj, model.layers[0].mlp.down_proj)]
     assert fast.kinds[:4] == kinds
@@ -66,7 +67,7 @@ def test_only_qualifying_models_get_it(tiny_llama, tmp_path):
     C++ step does not add) runs the Python layers."""
     tiny = LLM(str(tiny_llama[0]), skip_tokenizer_init=True, dtype="float32",
                kv_cache_memory_bytes=16 << 20)
-    assert tiny.engine.model.cpu_decode is not None
+    assert tiny.engine.executor.driver_worker.model.cpu_decode is not None
     import transformers
 
     config = transformers.LlamaConfig(
@@ -75,5 +76,5 @@ def test_only_qualifying_models_get_it(tiny_llama, tmp_path):
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     biased = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32",
                  kv_cache_memory_bytes=16 << 20)
-    assert biased.engine.model.cpu_decode is None
-    assert biased.engine.model.layers[0].self_attn.qkv_proj.bias is not None
+    assert biased.engine.executor.driver_worker.model.cpu_decode is None
+    assert biased.engine.executor.driver_worker.model.layers[0].self_attn.qkv_proj.bias is not None

@@ -100,9 +100,9 @@ def _cases():
 def test_padded_decode_matches_eager(tiny_llama, checked_runs):
     path, _ = tiny_llama
     eager = _engine(path)
-    assert eager.engine.model_runner.decode_graphs is None  # never on CPU
+    assert eager.engine.executor.driver_worker.model_runner.decode_graphs is None  # never on CPU
     llm = _engine(path)
-    runner = llm.engine.model_runner
+    runner = llm.engine.executor.driver_worker.model_runner
     runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_caches, capture_sizes(8),
                                         MAX_MODEL_LEN, BLOCK_SIZE, "cpu")
     for prompts, max_tokens in _cases():
@@ -120,9 +120,9 @@ def test_padded_decode_matches_eager(tiny_llama, checked_runs):
 def test_cuda_graphs_match_enforce_eager(tiny_llama, checked_runs):
     path, _ = tiny_llama
     eager = _engine(path, "cuda", enforce_eager=True)
-    assert eager.engine.model_runner.decode_graphs is None
+    assert eager.engine.executor.driver_worker.model_runner.decode_graphs is None
     llm = _engine(path, "cuda")
-    graphs = llm.engine.model_runner.decode_graphs
+    graphs = llm.engine.executor.driver_worker.model_runner.decode_graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 8]
     for prompts, max_tokens in [*_cases(), (_prompts(8, 2), [12] * 8)]:
         got = _greedy(llm, prompts, max_tokens)

@@ -81,7 +81,7 @@ def test_config_and_weights_equal_transformers(llm, hf_model):
                   "bos_token_id", "eos_token_id", "max_position_embeddings"):
         assert getattr(ours, field) == getattr(ref, field), field
     expected = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
-    for name, param in llm.engine.model.named_parameters():
+    for name, param in llm.engine.executor.driver_worker.model.named_parameters():
         if ".qkv_proj." in name:
             parts = [expected[name.replace("qkv_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
             want = torch.cat(parts)

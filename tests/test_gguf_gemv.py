@@ -17,18 +17,13 @@ from gguf.quants import dequantize
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
-from pagedserve.quantization import linear as quant_module
 from pagedserve.model_loader.gguf_file import iter_gguf_blocks, iter_gguf_weights
-from pagedserve.quantization.linear import (
-    KERNEL_TYPES,
-    MAX_ROWS,
-    PACKED_MIN_ROWS,
-    GGUFWeight,
-    Linear,
-    linear,
-    repack_blocks,
-    use_gguf_kernels,
-)
+from pagedserve.quantization import get_quantization_method
+from pagedserve.quantization import gguf as gguf_module
+from pagedserve.quantization import none as none_module
+from pagedserve.quantization.base import Linear
+from pagedserve.quantization.gguf import KERNEL_TYPES, MAX_ROWS, GGUFWeight, repack_blocks
+from pagedserve.quantization.none import PACKED_MIN_ROWS, float_linear
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU kernels unavailable")
 
@@ -110,8 +105,8 @@ def test_repacked_blocks_hold_the_same_bytes_per_tile(qtype):
             expected += [blocks[t, :, b, c : c + 4].reshape(-1)
                          for c in range(quants_start, size, 4)]
         assert torch.equal(packed[t], torch.cat(expected))
-    assert quant_module._concat_rows({"w": (qtype, rows[:16])}, ["w"]) is not None
-    assert quant_module._concat_rows({"w": (qtype, rows[:24])}, ["w"]) is None  # 24 rows
+    assert gguf_module._concat_rows({"w": (qtype, rows[:16])}, ["w"]) is not None
+    assert gguf_module._concat_rows({"w": (qtype, rows[:24])}, ["w"]) is None  # 24 rows
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)
@@ -156,14 +151,15 @@ def test_linear_uses_blocks_up_to_max_rows_only():
     layer = Linear(64, 48, bias=True)
     torch.nn.init.zeros_(layer.weight)
     torch.nn.init.normal_(layer.bias)
-    layer.quant = quant
+    layer.method = quant
     expected = F.linear(torch.ones(1, 64), torch.from_numpy(dequantize(blocks, Q.Q4_1).copy()))
     with torch.no_grad():
         small = layer(torch.ones(MAX_ROWS, 64))
         large = layer(torch.ones(MAX_ROWS + 1, 64))
     torch.testing.assert_close(small, (expected + layer.bias).expand(MAX_ROWS, -1))
     torch.testing.assert_close(large, layer.bias.expand(MAX_ROWS + 1, -1))
-    assert linear(torch.ones(2, 3, 64), layer.weight, None, quant).shape == (2, 3, 48)
+    with torch.no_grad():
+        assert layer(torch.ones(2, 3, 64)).shape == (2, 3, 48)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -175,7 +171,10 @@ def test_linear_from_blocks_in_half_precision(dtype):
     blocks = random_blocks(Q.Q4_1, 48, 128, rng)
     quant = GGUFWeight(repack_blocks(torch.from_numpy(blocks), Q.Q4_1), Q.Q4_1)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).to(dtype)
-    out = linear(x, torch.zeros(48, 128, dtype=dtype), None, quant)
+    layer = Linear(128, 48, bias=False, dtype=dtype)
+    torch.nn.init.zeros_(layer.weight)
+    with torch.no_grad():
+        out = quant.apply(layer, x)
     reference = a8_reference(x, torch.from_numpy(dequantize(blocks, Q.Q4_1).copy()))
     assert out.dtype == dtype and out.shape == (5, 48)
     assert rel_err(out, reference) < torch.finfo(dtype).eps
@@ -188,66 +187,71 @@ def test_packed_weights_equal_f_linear_bit_for_bit():
     autograd leave it unused."""
     gen = torch.Generator().manual_seed(5)
     weight, bias = torch.randn(300, 96, generator=gen), torch.randn(300, generator=gen)
-    packed = quant_module.pack_weight(weight)
+    packed = none_module.pack_weight(weight)
     with torch.no_grad():
         for rows in (PACKED_MIN_ROWS, 37, 64, MAX_ROWS + 1, 200):
             x = torch.randn(rows, 96, generator=gen)
-            assert torch.equal(linear(x, weight, bias, packed=packed), F.linear(x, weight, bias))
+            assert torch.equal(float_linear(x, weight, bias, packed), F.linear(x, weight, bias))
         x3 = torch.randn(2, 20, 96, generator=gen)  # leading dimensions kept
-        assert torch.equal(linear(x3, weight, None, packed=packed), F.linear(x3, weight))
+        assert torch.equal(float_linear(x3, weight, None, packed), F.linear(x3, weight))
         zeros = torch.zeros_like(weight)  # a packed zero weight shows which path ran
-        packed_zeros = quant_module.pack_weight(zeros)
+        packed_zeros = none_module.pack_weight(zeros)
         small = torch.randn(PACKED_MIN_ROWS - 1, 96, generator=gen)
-        assert linear(small, weight, None, packed=packed_zeros).abs().sum() > 0
+        assert float_linear(small, weight, None, packed_zeros).abs().sum() > 0
         enough = torch.randn(PACKED_MIN_ROWS, 96, generator=gen)
-        assert linear(enough, weight, None, packed=packed_zeros).abs().sum() == 0
+        assert float_linear(enough, weight, None, packed_zeros).abs().sum() == 0
     big = torch.randn(PACKED_MIN_ROWS, 96, generator=gen)
-    assert linear(big, weight, None, packed=packed_zeros).abs().sum() > 0  # autograd on
+    assert float_linear(big, weight, None, packed_zeros).abs().sum() > 0  # autograd on
 
 
 def test_model_weights_are_packed_in_float32_only(llm, llm_gguf):
-    assert quant_module.packing_available("cpu", torch.float32)
-    assert not quant_module.packing_available("cpu", torch.bfloat16)
-    assert not quant_module.packing_available("cuda", torch.float32)
+    assert none_module.packing_available("cpu", torch.float32)
+    assert not none_module.packing_available("cpu", torch.bfloat16)
+    assert not none_module.packing_available("cuda", torch.float32)
     for engine in (llm, llm_gguf):
-        model = engine.engine.model
+        model = engine.engine.executor.driver_worker.model
         layers = [m for m in model.modules() if isinstance(m, Linear)]
-        assert all(m.packed is not None for m in layers)
-        assert model.tied_lm_head_packed is not None
+        methods = [getattr(m.method, "float_path", m.method) for m in layers]  # GGUF's fallback
+        assert model.lm_head in layers and all(m.packed is not None for m in methods)
 
 
 def test_wide_weights_multiply_in_column_slices(monkeypatch):
     """Slices of 16 output columns (16 + 16 + 8) fill every column of the product, bias
     added, leading dimensions kept; with autograd on, plain F.linear keeps gradients."""
-    monkeypatch.setattr(quant_module, "COLUMN_CHUNK", 16)
+    monkeypatch.setattr(none_module, "COLUMN_CHUNK", 16)
     chunked_calls = []
-    chunked = quant_module.column_chunked_mm
-    monkeypatch.setattr(quant_module, "column_chunked_mm",
+    chunked = none_module.column_chunked_mm
+    monkeypatch.setattr(none_module, "column_chunked_mm",
                         lambda *args: chunked_calls.append(args) or chunked(*args))
     gen = torch.Generator().manual_seed(0)
     x, weight, bias = (torch.randn(*shape, generator=gen) for shape in ((3, 2, 24), (40, 24), (40,)))
     exact = F.linear(x.double(), weight.double(), bias.double()).float()
     with torch.no_grad():
-        torch.testing.assert_close(linear(x, weight, bias), exact)
+        torch.testing.assert_close(float_linear(x, weight, bias), exact)
         assert len(chunked_calls) == 1
-        torch.testing.assert_close(quant_module.column_chunked_mm(x.reshape(6, 24), weight),
+        torch.testing.assert_close(none_module.column_chunked_mm(x.reshape(6, 24), weight),
                                    F.linear(x.reshape(6, 24).double(), weight.double()).float())
     weight.requires_grad_(True)
-    linear(x, weight, bias).sum().backward()
+    float_linear(x, weight, bias).sum().backward()
     torch.testing.assert_close(weight.grad, x.reshape(6, 24).sum(0).expand(40, -1))
     assert len(chunked_calls) == 2  # the direct call above; not the autograd one
 
 
-def test_use_gguf_kernels_choices(model_path, tmp_path):
-    assert use_gguf_kernels(None, model_path, "cpu")
-    assert use_gguf_kernels("gguf", model_path, "cpu")
-    assert not use_gguf_kernels("none", model_path, "cpu")
-    assert not use_gguf_kernels(None, model_path, "cuda")
-    assert not use_gguf_kernels(None, tmp_path, "cpu")
-    with pytest.raises(ValueError, match="quantization"):
-        use_gguf_kernels("awq", model_path, "cpu")
-    with pytest.raises(ValueError, match="gguf"):
-        use_gguf_kernels("gguf", tmp_path, "cpu")
+def test_quantization_method_choices(model_path, tmp_path):
+    """The registry's default is GGUF blocks for a GGUF model on CPU with one rank."""
+    def method(*args):
+        return get_quantization_method(*args).name
+
+    assert method(None, model_path, "cpu") == "gguf"
+    assert method("gguf", model_path, "cpu") == "gguf"
+    assert method("none", model_path, "cpu") == "none"
+    assert method(None, model_path, "cuda") == "none"
+    assert method(None, model_path, "cpu", 3) == "none"  # tensor parallel: dequantized
+    assert method(None, tmp_path, "cpu") == "none"
+    with pytest.raises(ValueError, match="quantization must be one of gguf, int8, none"):
+        get_quantization_method("awq", model_path, "cpu")
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        get_quantization_method("gguf", tmp_path, "cpu")
 
 
 def test_loader_blocks_dequantize_to_loaded_weights(model_path):
@@ -277,11 +281,12 @@ def llm_gguf():
 def test_model_layers_carry_their_blocks(llm_gguf):
     """Every Linear (fused q/k/v and gate/up included) and the tied head computes, from its
     blocks, the reference product with its float32 weight; the exact engine has none."""
-    model = llm_gguf.engine.model
+    model = llm_gguf.engine.executor.driver_worker.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    assert len(layers) == 4 * 30 and all(m.quant is not None for m in layers)
-    heads = [(m.weight, m.quant) for m in layers[:4]]
-    heads.append((model.embed_tokens.weight, model.tied_lm_head_quant))
+    assert len(layers) == 4 * 30 + 1 and layers[-1] is model.lm_head
+    assert all(isinstance(m.method, GGUFWeight) for m in layers)
+    assert model.lm_head.weight is model.embed_tokens.weight  # tied: blocks of the embedding
+    heads = [(m.weight, m.method) for m in (*layers[:4], model.lm_head)]
     ops = load_cpu_ops()
     for weight, quant in heads:
         weight = weight.detach()
@@ -298,7 +303,7 @@ def test_kernels_stay_close_to_the_exact_path(llm, llm_gguf, chat_prompts, monke
     8-bit activation is a step function, so float-rounding changes upstream move it (the
     previous kernel gave -1.4%, and +0.6% with x scaled by 1 + 2^-22); hence a 4% bound
     (benchmarks/quant_accuracy.py has the held-out figures)."""
-    assert llm.engine.model.tied_lm_head_quant is None
+    assert not isinstance(llm.engine.executor.driver_worker.model.lm_head.method, GGUFWeight)
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], greedy, use_tqdm=False)
     seqs = [p + o.outputs[0].token_ids for p, o in zip(chat_prompts, ref)]
@@ -310,7 +315,7 @@ def test_kernels_stay_close_to_the_exact_path(llm, llm_gguf, chat_prompts, monke
                              for o, s in zip(outs, seqs) for i in range(1, len(s))])
 
     exact = logprobs(llm)
-    monkeypatch.setattr(quant_module, "MAX_ROWS", 1 << 20)
+    monkeypatch.setattr(gguf_module, "MAX_ROWS", 1 << 20)
     ours = logprobs(llm_gguf)
     diff = (ours - exact).abs()
     assert float(diff.mean()) < 0.15 and float(diff.max()) < 1.5

@@ -13,7 +13,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import load_cpu_ops
 from pagedserve.args import EngineArgs
 from pagedserve.quantization.int8 import Int8Weight, int8_linear, quantize_model, quantize_weight
-from pagedserve.quantization.linear import Linear, use_gguf_kernels
+from pagedserve.quantization import get_quantization_method
+from pagedserve.quantization.base import Linear
 
 
 def reference(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor) -> torch.Tensor:
@@ -114,7 +115,8 @@ def test_quantize_model_replaces_weights(tiny_llama):
     assert quantize_model(model, lm_head=False, skip=()) == 2 * 4  # qkv, o, gate_up, down
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert all(m.weight.dtype == torch.int8 for m in linears if m is not model.lm_head)
-    assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.quant is None
+    assert model.lm_head.weight.dtype == torch.float32
+    assert not isinstance(model.lm_head.method, Int8Weight)
     x = torch.randn(3, 64)
     down = model.layers[0].mlp.down_proj
     assert torch.equal(down(torch.randn(3, 128)).isfinite(), torch.ones(3, 64, dtype=bool))
@@ -126,11 +128,11 @@ def test_quantize_model_replaces_weights(tiny_llama):
 
 
 def test_int8_choice_and_errors(model_path):
-    assert not use_gguf_kernels("int8", model_path, "cpu")  # the alternative to GGUF blocks
+    assert get_quantization_method("int8", model_path, "cpu").name == "int8"
     with pytest.raises(ValueError, match="int8.*CPU only"):
-        use_gguf_kernels("int8", model_path, "cuda")
+        get_quantization_method("int8", model_path, "cuda")
     with pytest.raises(ValueError, match="int8"):  # the message lists the choices
-        use_gguf_kernels("fp8", model_path, "cpu")
+        get_quantization_method("fp8", model_path, "cpu")
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(parser.parse_args(["-q", "int8"])).quantization == "int8"
 
@@ -150,13 +152,14 @@ def test_engine_int8_follows_float32(llm, llm_int8, chat_prompts):
     near-ties follow them). Aggregates, not tokens, are asserted: int8 is not exact, and a
     wrong scale or layout ranks almost nothing first. Perplexity on held-out text is
     measured by benchmarks/quant_accuracy.py."""
-    model = llm_int8.engine.model
+    model = llm_int8.engine.executor.driver_worker.model
     assert all(p.weight.dtype == torch.int8 for layer in model.layers
                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                          layer.mlp.gate_up_proj, layer.mlp.down_proj))
-    assert isinstance(model.tied_lm_head_quant, Int8Weight)
-    # SmoothQuant's scales went into the norms (models/smoothquant.py)
-    float_norm = llm.engine.model.layers[0].input_layernorm.weight
+    assert isinstance(model.lm_head.method, Int8Weight)
+    assert model.embed_tokens.weight.dtype == torch.float32  # the lookup table stays float
+    # SmoothQuant's scales went into the norms (quantization/smoothquant.py)
+    float_norm = llm.engine.executor.driver_worker.model.layers[0].input_layernorm.weight
     assert not torch.allclose(model.layers[0].input_layernorm.weight, float_norm)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], greedy, use_tqdm=False)
@@ -177,12 +180,12 @@ def test_engine_int8_follows_float32(llm, llm_int8, chat_prompts):
 def test_int8_calibration_is_cut_to_max_model_len(monkeypatch):
     """The calibration chats (~110 tokens each) are cut to max_model_len: the rotary
     tables hold that many positions, and the C++ rotary op does not bounds-check."""
-    from pagedserve.engine import llm_engine
+    from pagedserve.quantization import int8 as int8_module
 
     lengths = []
-    smooth = llm_engine.smooth_model
-    monkeypatch.setattr(llm_engine, "smooth_model", lambda model, config, ids: (
-        lengths.extend(map(len, ids)), smooth(model, config, ids))[1])
+    smooth = int8_module.smooth_model
+    monkeypatch.setattr(int8_module, "smooth_model", lambda model, ids, prefill: (
+        lengths.extend(map(len, ids)), smooth(model, ids, prefill))[1])
     llm = LLM(dtype="float32", quantization="int8", max_model_len=48,
               kv_cache_memory_bytes=64 << 20)
     assert len(lengths) == 8 and max(lengths) == 48

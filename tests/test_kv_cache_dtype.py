@@ -52,10 +52,10 @@ def rounding_cache():
 
 def test_cache_is_bfloat16_and_holds_twice_the_blocks(bf16_kv_llm, llm):
     engine = bf16_kv_llm.engine
-    assert {c.dtype for c in engine.model_runner.kv_caches} == {torch.bfloat16}
+    assert {c.dtype for c in engine.executor.driver_worker.model_runner.kv_caches} == {torch.bfloat16}
     # half the float32 engine's bytes per block: twice the blocks in the same budget
-    per_block = engine.memory_profile.bytes_per_block
-    assert per_block * 2 == llm.engine.memory_profile.bytes_per_block
+    per_block = engine.executor.driver_worker.memory_profile.bytes_per_block
+    assert per_block * 2 == llm.engine.executor.driver_worker.memory_profile.bytes_per_block
     assert engine.num_blocks == (256 << 20) // per_block
     assert engine.cache_config_info()["cache_dtype"] == "bfloat16"
 

@@ -121,12 +121,12 @@ def test_gpu_memory_utilization_sizes_pool():
     a = LLM(dtype="float32", gpu_memory_utilization=0.10, max_model_len=1024)
     b = LLM(dtype="float32", gpu_memory_utilization=0.20, max_model_len=1024)
     for llm, util in ((a, 0.10), (b, 0.20)):
-        prof = llm.engine.memory_profile
+        prof = llm.engine.executor.driver_worker.memory_profile
         assert prof.total == total_memory_bytes()
         expected = (int(util * prof.total) - prof.weights - prof.peak_activation) // prof.bytes_per_block
         assert llm.engine.num_blocks == expected
         assert prof.weights > 100e6 and prof.peak_activation > 0
-    extra = int(0.10 * total_memory_bytes()) // a.engine.memory_profile.bytes_per_block
+    extra = int(0.10 * total_memory_bytes()) // a.engine.executor.driver_worker.memory_profile.bytes_per_block
     # The two profile runs' peaks (RSS high-water marks) differ: by up to ~300 MB on a
     # loaded 24 GB machine. The extra 10% of RAM (2.4 GB there) dominates.
     assert abs((b.engine.num_blocks - a.engine.num_blocks) - extra) < 0.2 * extra

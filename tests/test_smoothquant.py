@@ -1,4 +1,4 @@
-"""SmoothQuant (models/smoothquant.py): exact in float, and what it buys int8."""
+"""SmoothQuant (quantization/smoothquant.py): exact in float, and what it buys int8."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from pagedserve.attention import get_attention_backend
-from pagedserve.quantization.int8 import int8_linear, quantize_weight
-from pagedserve.models.layers import GemmaRMSNorm
 from pagedserve.model_loader.files import iter_weights, load_config
+from pagedserve.models.layers import GemmaRMSNorm
 from pagedserve.models.registry import get_model_class
+from pagedserve.quantization.int8 import int8_linear, quantize_weight
 from pagedserve.quantization.smoothquant import (
     NORM_ALPHA,
-    _prefill,
     _scales,
     calibration_token_ids,
     smooth_model,
     smoothable,
 )
+from pagedserve.worker.model_loader import prefill_once
 
 PROMPTS = [[1, 5, 9, 33, 2, 70, 8], [4, 4, 60, 12, 90, 3, 17, 41, 7, 22]]
 
@@ -38,7 +38,7 @@ def load(path, outlier: float | None = None):
 
 def logits(model, config, ids):
     with torch.inference_mode():
-        return model.compute_logits(_prefill(model, config, ids))
+        return model.compute_logits(prefill_once(model, config, ids))
 
 
 def test_scales_follow_the_paper():
@@ -54,7 +54,7 @@ def test_smoothing_is_exact_in_float(tiny_llama):
     config, model = load(tiny_llama[0], outlier=30.0)
     before = [logits(model, config, ids) for ids in PROMPTS]
     norm_before = model.layers[0].input_layernorm.weight.detach().clone()
-    assert smooth_model(model, config, PROMPTS) == 2
+    assert smooth_model(model, PROMPTS, lambda ids: prefill_once(model, config, ids)) == 2
     assert not torch.equal(model.layers[0].input_layernorm.weight, norm_before)
     for ids, ref in zip(PROMPTS, before):
         torch.testing.assert_close(logits(model, config, ids), ref, rtol=1e-4, atol=1e-4)
@@ -82,7 +82,7 @@ def test_smoothable_only_plain_pre_norm_layers(tiny_llama):
     model.layers[1].post_attention_layernorm = GemmaRMSNorm(config.hidden_size, 1e-6)
     assert not smoothable(model)
     with pytest.raises(ValueError, match="LlamaDecoderLayer with RMSNorm"):
-        smooth_model(model, config, PROMPTS)
+        smooth_model(model, PROMPTS, lambda ids: prefill_once(model, config, ids))
 
 
 def test_calibration_uses_the_chat_template(llm):

@@ -14,7 +14,7 @@ CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")  # TRITON_INTERPRET=1 is set in conftest.py when there is no GPU
 
 from pagedserve.attention import triton_attn
-from pagedserve.attention.backend import AttentionMetadata, get_attention_backend
+from pagedserve.attention import AttentionMetadata, get_attention_backend
 from pagedserve.attention.torch_attn import ReferenceAttention, write_kv_slots
 from pagedserve.attention.triton_attn import TritonAttention
 

@@ -93,7 +93,7 @@ def test_dummy_load_format(tiny_llama):
     path, hf_model = tiny_llama
     llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32", device="cpu",
               load_format="dummy", num_gpu_blocks_override=32, max_model_len=64)
-    weight = llm.engine.model.embed_tokens.weight
+    weight = llm.engine.executor.driver_worker.model.embed_tokens.weight
     assert weight.abs().max() <= 1e-3 and weight.std() > 1e-4
     assert not torch.allclose(weight, hf_model.model.embed_tokens.weight)
     tokens, _ = _greedy(llm, [[1, 2, 3]])
@@ -130,7 +130,7 @@ def test_cuda_kv_budget_arithmetic(monkeypatch):
 def test_engine_on_cuda_matches_cpu_and_transformers(tiny_llama, prompts):
     path, hf_model = tiny_llama
     llm = _engine(path, "auto", "cuda")
-    assert llm.engine.model_runner.device.startswith("cuda")
+    assert llm.engine.executor.driver_worker.model_runner.device.startswith("cuda")
     for order in (prompts, prompts[::-1]):
         expected = _greedy(_engine(path, "torch", "cpu"), order)
         _check_same(_greedy(llm, order), expected)
@@ -145,7 +145,7 @@ def test_cuda_memory_sizing_on_device(tiny_llama):
     u = 0.02
     llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32", device="cuda",
               block_size=16, gpu_memory_utilization=u, max_model_len=64)
-    prof = llm.engine.memory_profile
+    prof = llm.engine.executor.driver_worker.memory_profile
     assert prof.source == "gpu_memory_utilization"
     assert 0 < prof.peak_activation < prof.total
     assert 0 < prof.kv_budget < u * prof.total

@@ -73,7 +73,7 @@ def iteration_flops(engine: LLMEngine, batch_size: int, input_len: int, output_l
     """Matmul FLOPs of one iteration (see the module docstring)."""
     import torch
 
-    model, config = engine.model, engine.hf_config
+    model, config = engine.executor.driver_worker.model, engine.hf_config
     linear = sum(m.in_features * m.out_features for m in model.layers.modules()
                  if isinstance(m, torch.nn.Linear))
     tokens = input_len + output_len - 1  # forward passes per request (the last token is not fed back)

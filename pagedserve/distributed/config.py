@@ -52,3 +52,21 @@ class ParallelConfig:
     def from_engine_args(cls, args) -> ParallelConfig:
         return cls(args.tensor_parallel_size, args.data_parallel_size,
                    args.distributed_executor_backend, args.distributed_timeout)
+
+    def check_engine(self, cache, device: str) -> None:
+        """Refuse what one engine with these ranks does not do (``ValueError``, naming the
+        flag): data-parallel replicas (they run behind the server, one engine each), and a
+        KV cache sized by a profiling pass under tensor parallelism. ``cache``: the
+        engine's ``CacheConfig``."""
+        if self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs replicas of this engine behind "
+                             "`pagedserve serve`; one LLMEngine is one replica")
+        if self.tensor_parallel_size == 1:
+            return
+        needs_profile = (cache.num_gpu_blocks_override is None
+                         and cache.kv_cache_memory_bytes is None)
+        if needs_profile and (cache.gpu_memory_utilization is not None or device != "cpu"):
+            raise ValueError("tensor_parallel_size > 1 sizes the KV cache without a "
+                             "profiling pass: give --kv-cache-memory-bytes (per rank) or "
+                             "--num-gpu-blocks-override instead of "
+                             "--gpu-memory-utilization")

@@ -176,6 +176,8 @@ def make_tensor_parallel(model: nn.Module, group: RankGroup, vocab_size: int
     old = model.embed_tokens
     model.embed_tokens = VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, group
                                                 ).to(old.weight.device, old.weight.dtype)
+    if model.tie_word_embeddings:
+        model.tie_lm_head()
     for name, module in model.named_modules():
         if name.split(".")[-1] in ("o_proj", "down_proj"):
             module.register_forward_hook(lambda _m, _inputs, out: group.all_reduce(out))

@@ -39,7 +39,7 @@ from typing import TypeVar
 
 import torch
 
-from pagedserve.executor.multiproc import EngineDeadError
+from pagedserve.executor.base import EngineDeadError
 from pagedserve.args import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.engine.request_stream import (

@@ -1,15 +1,11 @@
-"""Executors: where an engine's tensor-parallel ranks run, and how the driver watches them.
+"""Tensor-parallel executors: ``DistributedExecutor`` (ranks 1.. elsewhere, rank 0 here)
+and ``MultiprocExecutor`` (``mp``: ranks 1.. are processes on this machine,
+``torch.multiprocessing``, spawn); ``ray_executor.py`` places them with Ray instead.
 
-- ``UniExecutor`` (``uni``): one rank, the model in this process (today's path).
-- ``MultiprocExecutor`` (``mp``): ranks 1.. are processes on this machine
-  (``torch.multiprocessing``, spawn).
-- ``RayExecutor`` (``ray``): ranks 1.. are Ray actors, placed through a placement group, on
-  other machines where the cluster has them.
-
-Rank 0 is always the driver, this process: it holds a shard too, runs the one scheduler,
-and alone samples. ``DriverModel`` wraps its shard so that every model call is first sent
-to the other ranks (``worker.py``), which then run the same call; the collectives inside
-the model pair up.
+Rank 0 is always the driver, this process: its worker holds a shard too, the engine runs
+the one scheduler, and rank 0 alone samples. ``DriverModel`` wraps its shard so that every
+model call is first sent to the other ranks (``worker/worker.py``), which then run the same
+call; the collectives inside the model pair up.
 
 A rank that dies (its process exits, its actor's task ends) or hangs (a collective waits
 longer than ``--distributed-timeout``) leaves the ranks out of step: the executor is then
@@ -20,6 +16,7 @@ timeout. A watcher thread notices a death even while the engine is idle.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing.connection
 import threading
@@ -28,40 +25,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from pagedserve.args import EngineArgs
 from pagedserve.config import resolve_device
 from pagedserve.distributed.config import ParallelConfig
 from pagedserve.distributed.group import RankGroup, free_port
-from pagedserve.worker.worker import rank_device, run_worker, threads_per_rank
-from pagedserve.args import EngineArgs
+from pagedserve.executor.base import EngineDeadError, Executor
 from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.worker import DriverHooks, Worker, rank_device, run_worker, threads_per_rank
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """A tensor-parallel rank died or hung; the engine takes no more steps."""
-
-
-class UniExecutor:
-    """One rank in this process: the model is used as it is."""
-
-    group: RankGroup | None = None
-    model_runner_class = ModelRunner
-
-    def driver_model(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def agree_num_blocks(self, num_blocks: int) -> int:
-        return num_blocks
-
-    def check_alive(self) -> None:
-        """Raise ``EngineDeadError`` if a rank is gone (never, with one rank)."""
-
-    def is_alive(self) -> bool:
-        return True
-
-    def shutdown(self) -> None:
-        pass
 
 
 class DriverModel(nn.Module):
@@ -101,16 +73,16 @@ class DriverModelRunner(ModelRunner):
         super().copy_blocks(pairs)
 
 
-class DistributedExecutor:
-    """Ranks 1.. elsewhere (subclasses start and watch them); rank 0 here.
+class DistributedExecutor(Executor):
+    """Ranks 1.. elsewhere (subclasses start and watch them); rank 0's worker here, built
+    while the other ranks load their shards.
 
     Sets this process's torch threads to its share of the cores (until ``shutdown``). Raises
-    what starting the ranks raises; ``RuntimeError`` if they do not join in time.
+    what starting the ranks or loading rank 0 raises; ``RuntimeError`` if the ranks do not
+    join in time.
     """
 
-    model_runner_class = DriverModelRunner
-
-    def __init__(self, parallel: ParallelConfig, args: EngineArgs) -> None:
+    def __init__(self, parallel: ParallelConfig, args: EngineArgs, hooks: DriverHooks) -> None:
         self.world_size = parallel.tensor_parallel_size
         self.timeout = parallel.distributed_timeout
         self.args = args
@@ -132,6 +104,13 @@ class DistributedExecutor:
         threading.Thread(target=self._watch, name="pagedserve-rank-watcher", daemon=True).start()
         logger.info("%d tensor-parallel ranks joined at %s:%d; rank 0 uses %d torch threads",
                     self.world_size, host, port, torch.get_num_threads())
+        try:
+            self.driver_worker = Worker(args, dataclasses.replace(
+                hooks, wrap_model=self.driver_model, runner_class=DriverModelRunner), 0,
+                self.group)
+        except BaseException:
+            self.shutdown()
+            raise
 
     # -- what backends provide -----------------------------------------------------------
 
@@ -257,14 +236,3 @@ class MultiprocExecutor(DistributedExecutor):
             if not told and p.is_alive():
                 p.kill()
                 p.join()
-
-
-def create_executor(parallel: ParallelConfig, args: EngineArgs):
-    """The executor of ``parallel.backend`` (``uni``, ``mp`` or ``ray``)."""
-    if parallel.backend == "uni":
-        return UniExecutor()
-    if parallel.backend == "mp":
-        return MultiprocExecutor(parallel, args)
-    from pagedserve.executor.ray_executor import RayExecutor
-
-    return RayExecutor(parallel, args)

@@ -21,12 +21,14 @@ import logging
 import os
 import pathlib
 
-import pagedserve
-from pagedserve.executor.multiproc import DistributedExecutor
 from pagedserve.distributed.group import STARTUP_TIMEOUT
+from pagedserve.executor.multiproc import DistributedExecutor
 from pagedserve.worker.worker import run_worker
 
 logger = logging.getLogger(__name__)
+
+# The pagedserve package this module belongs to (a checkout, or site-packages).
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
 
 
 class RankActor:
@@ -39,7 +41,7 @@ class RankActor:
 
     def package_file(self) -> str:
         """Where this actor imported pagedserve from (it must be the driver's copy)."""
-        return pagedserve.__file__
+        return str(PACKAGE_DIR / "__init__.py")
 
     def run(self, rank: int, world_size: int, host: str, port: int, args, ranks_here: int):
         run_worker(rank, world_size, host, port, args, ranks_here)
@@ -47,7 +49,7 @@ class RankActor:
 
 def actor_runtime_env() -> dict:
     """Actors import pagedserve from where the driver did (a checkout, or site-packages)."""
-    root = str(pathlib.Path(pagedserve.__file__).resolve().parent.parent)
+    root = str(PACKAGE_DIR.parent)
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     return {"env_vars": {"PYTHONPATH": path}}
 

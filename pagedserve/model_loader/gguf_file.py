@@ -1,5 +1,5 @@
 """GGUF files: header reading, config from metadata, weights with HF names (dequantized, or
-as raw blocks for the kernels of `quant.py`).
+as raw blocks for the kernels of `quantization/gguf.py`).
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. The header (metadata and
 tensor infos) is parsed here with `struct` because `gguf.GGUFReader` builds a numpy view

@@ -16,9 +16,9 @@ from pagedserve.cpu_ops import cpu_layer_ops
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` without random initialization, as ``quant.Linear``: ``load_weights``
-    overwrites the table (``load_format="dummy"`` fills it itself). Drawing SmolLM2's
-    49,152 x 576 normal values took 0.18 s of start-up."""
+    """``nn.Embedding`` without random initialization, as ``quantization.base.Linear``:
+    ``load_weights`` overwrites the table (``load_format="dummy"`` fills it itself). Drawing
+    SmolLM2's 49,152 x 576 normal values took 0.18 s of start-up."""
 
     def reset_parameters(self) -> None:
         pass

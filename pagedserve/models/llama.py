@@ -3,8 +3,8 @@ and the configurable decoder the other families build on.
 
 Layout and weight names follow Hugging Face's ``modeling_llama.py`` so checkpoints load
 directly; q/k/v and gate/up projections are fused into one matmul each at load time.
-Projections and the LM head may also hold GGUF blocks of their weights for steps of few
-tokens (``quant.py``).
+Projections and the LM head compute as their quantization method says
+(``quantization/``).
 Mistral (``modeling_mistral.py``) is this class: its optional ``sliding_window`` applies to
 every layer. A family that differs overrides ``attention_options`` (biases, q/k norm,
 window, scale), ``make_rotary`` and ``make_layer``, and sets ``norm_cls``.
@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
-from pagedserve.quantization.int8 import Int8Weight
 from pagedserve.models.layers import (
     Embedding,
     PagedAttention,
@@ -28,7 +27,7 @@ from pagedserve.models.layers import (
     activation,
 )
 from pagedserve.model_loader.files import rope_scaling, rope_theta
-from pagedserve.quantization.linear import GGUFWeight, Linear, linear
+from pagedserve.quantization.base import Linear
 
 
 def head_dim_of(config) -> int:
@@ -210,13 +209,13 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        # GGUF blocks (quant.attach_gguf_weights) or int8 rows (int8.quantize_model) of the
-        # tied head (embed_tokens.weight)
-        self.tied_lm_head_quant: GGUFWeight | Int8Weight | None = None
-        self.tied_lm_head_packed: torch.Tensor | None = None  # quant.pack_weight
-        self.cpu_decode = None  # cpu_decode.CpuDecodeLayers, set by the loader where it applies
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False,
+                              device="meta" if self.tie_word_embeddings else None)
+        if self.tie_word_embeddings:  # the same parameter; a quantization method may give
+            self.tie_lm_head()        # the head its own copy (int8 rows, GGUF blocks)
+        # the fused decode step (worker/cpu_decode.py), set by the worker where it applies:
+        # a callable (positions, hidden, kv_caches, meta) -> hidden with .applies(hidden, meta)
+        self.cpu_decode = None
 
     # -- what families override ---------------------------------------------------------
 
@@ -268,11 +267,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``
         (soft-capped ``cap * tanh(logits / cap)`` where the model configures it)."""
-        if self.tie_word_embeddings:
-            logits = linear(hidden, self.embed_tokens.weight, quant=self.tied_lm_head_quant,
-                            packed=self.tied_lm_head_packed)
-        else:
-            logits = self.lm_head(hidden)
+        logits = self.lm_head(hidden)
         if self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -311,11 +306,28 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
 
-    @staticmethod
-    def checkpoint_names(module_name: str) -> list[str]:
+    def tie_lm_head(self) -> None:
+        """Make the LM head's weight the embedding's (again, after the embedding was
+        replaced, e.g. by a tensor-parallel one)."""
+        self.lm_head.weight = self.embed_tokens.weight
+
+    def plain_pre_norm_layers(self) -> list[LlamaDecoderLayer] | None:
+        """The decoder layers if every one is a plain pre-norm ``LlamaDecoderLayer`` with
+        ``RMSNorm`` (whose norm weights scale the channels its qkv and gate/up projections
+        read: what SmoothQuant folds into), else None."""
+        layers = list(self.layers)
+        plain = len(layers) > 0 and all(
+            type(layer) is LlamaDecoderLayer and type(layer.input_layernorm) is RMSNorm
+            and type(layer.post_attention_layernorm) is RMSNorm for layer in layers)
+        return layers if plain else None
+
+    def checkpoint_names(self, module_name: str) -> list[str]:
         """The checkpoint modules one of ours is made of, in row order:
         ``layers.0.self_attn.qkv_proj`` -> ``layers.0.self_attn.{q,k,v}_proj``,
-        ``...mlp.gate_up_proj`` -> ``...mlp.{gate,up}_proj``; others -> themselves."""
+        ``...mlp.gate_up_proj`` -> ``...mlp.{gate,up}_proj``, a tied ``lm_head`` ->
+        ``embed_tokens``; others -> themselves."""
+        if module_name == "lm_head" and self.tie_word_embeddings:
+            return ["embed_tokens"]
         *parent, leaf = module_name.split(".")
         shards = sorted((index, hf) for hf, (ours, index) in _FUSED.items() if ours == leaf)
         return [".".join([*parent, hf]) for _, hf in shards] or [module_name]

@@ -1,8 +1,9 @@
 """Maps Hugging Face ``architectures`` names (and GGUF ``general.architecture``) to our
 model classes.
 
-A GGUF file's architecture is first turned into a Hugging Face config by ``gguf_loader``
-(``GGUF_ARCHITECTURES``: e.g. ``gemma3`` -> ``Gemma3ForCausalLM``), then looked up here.
+A GGUF file's architecture is first turned into a Hugging Face config by
+``model_loader/gguf_file.py`` (``GGUF_ARCHITECTURES``: e.g. ``gemma3`` ->
+``Gemma3ForCausalLM``), then looked up here.
 """
 
 from __future__ import annotations

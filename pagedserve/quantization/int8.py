@@ -13,10 +13,10 @@ Symmetric W8A8 quantization as in SmoothQuant (whose smoothing is ``smoothquant.
 The weight stays ``[N, K]`` and is passed transposed: ``_int_mm`` was as fast or faster
 with it than with a contiguous ``[K, N]`` copy at M = 1..256 on SmolLM2's shapes
 (``benchmarks/README.md``). The float weight is dropped: a ``Linear`` holds the int8 rows as
-its ``weight`` (int8 parameter, so memory accounting sees 1 byte per weight) and the pair in
-``quant``. A tied LM head keeps the float embedding (the token lookup needs it) and gets an
-int8 copy. Layers named in ``quantize_model``'s ``skip`` stay in float. The engine first
-moves activation outliers into the weights (``smoothquant.py``).
+its ``weight`` (int8 parameter, so memory accounting sees 1 byte per weight) and the pair as
+its ``method`` (``Int8Weight``). A tied LM head keeps the float embedding (the token lookup
+needs it) and gets an int8 copy. Layers named in ``quantize_model``'s ``skip`` stay in float.
+``Int8Method`` first moves activation outliers into the weights (``smoothquant.py``).
 """
 
 from __future__ import annotations
@@ -27,12 +27,15 @@ import torch
 from torch import nn
 
 from pagedserve.cpu_ops import cpu_layer_ops
+from pagedserve.quantization.base import KIND_INT8, Linear, LoadContext, QuantizationMethod, linears
+from pagedserve.quantization.none import float_weight
+from pagedserve.quantization.smoothquant import calibration_token_ids, smooth_model, smoothable
 
 # Linear layers (last name part) left in float where SmoothQuant cannot run (see
-# engine/llm_engine.quantize_int8). Measured on SmolLM2-135M (perplexity of the MT-Bench
-# reference answers, benchmarks/README.md), without SmoothQuant: every Linear and the LM
-# head in int8 cost +2.64% over float32, all but down_proj +1.92%, inside the 2% bound;
-# with SmoothQuant every Linear in int8 costs +0.94%.
+# Int8Method). Measured on SmolLM2-135M (perplexity of the MT-Bench reference answers,
+# benchmarks/README.md), without SmoothQuant: every Linear and the LM head in int8 cost
+# +2.64% over float32, all but down_proj +1.92%, inside the 2% bound; with SmoothQuant
+# every Linear in int8 costs +0.94%.
 FLOAT_LAYERS = ("down_proj",)
 _QMAX = 127.0
 _TINY = torch.finfo(torch.float32).tiny
@@ -45,6 +48,12 @@ class Int8Weight:
 
     qweight: torch.Tensor
     scale: torch.Tensor
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self, layer.bias)
+
+    def fused_kernel(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.qweight, self.scale, KIND_INT8
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,20 +95,36 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight,
 
 def quantize_model(model: nn.Module, lm_head: bool = True,
                    skip: tuple[str, ...] = FLOAT_LAYERS) -> int:
-    """Replace the weight of every ``quant.Linear`` of ``model`` whose name does not end in
-    one of ``skip`` by its int8 rows (the LM head only if ``lm_head``; a tied one gets
-    ``model.tied_lm_head_quant``). Returns the number of weights quantized."""
-    from pagedserve.quantization.linear import Linear
-
+    """Replace the weight of every ``Linear`` of ``model`` whose name does not end in one
+    of ``skip`` by its int8 rows (the LM head only if ``lm_head``; a tied one gets its own
+    int8 copy, the embedding keeps its float table). Returns the number quantized."""
     count = 0
-    untied_head = None if model.tie_word_embeddings else model.lm_head
-    for name, module in model.named_modules():
-        if (isinstance(module, Linear) and name.split(".")[-1] not in skip
-                and (lm_head or module is not untied_head)):
-            module.quant = quantize_weight(module.weight.detach())
-            module.weight = nn.Parameter(module.quant.qweight, requires_grad=False)
+    for name, layer in linears(model):
+        if name.split(".")[-1] not in skip and (lm_head or name != "lm_head"):
+            layer.method = quantize_weight(layer.weight.detach())
+            layer.weight = nn.Parameter(layer.method.qweight, requires_grad=False)
             count += 1
-    if lm_head and model.tie_word_embeddings:
-        model.tied_lm_head_quant = quantize_weight(model.embed_tokens.weight.detach())
-        count += 1
     return count
+
+
+class Int8Method(QuantizationMethod):
+    """``--quantization int8`` (CPU only): SmoothQuant (``smoothquant.py``, calibration
+    chats cut to ``max_model_len`` tokens) and then every Linear in int8, where every layer
+    could be smoothed; else (other layer kinds, or tensor parallel, whose ranks cannot run
+    a calibration prefill alone) ``FLOAT_LAYERS`` stay float and nothing is smoothed."""
+
+    name = "int8"
+
+    def process_model(self, model: nn.Module, ctx: LoadContext) -> str:
+        smoothed = 0
+        if ctx.prefill is not None and smoothable(model):
+            calibration = [ids[:ctx.max_model_len]
+                           for ids in calibration_token_ids(ctx.tokenizer())]
+            smoothed = smooth_model(model, calibration, ctx.prefill)
+        count = quantize_model(model, skip=() if smoothed else FLOAT_LAYERS)
+        for _, layer in linears(model):
+            if not isinstance(layer.method, Int8Weight):
+                layer.method = float_weight(layer, ctx)
+        return (f"{count} weights quantized to int8 (W8A8; "
+                + ("SmoothQuant on every layer)" if smoothed else
+                   f"no SmoothQuant, {', '.join(FLOAT_LAYERS)} left in float)"))

@@ -27,12 +27,10 @@ the number of threads it was loaded with (as float results do).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
-
-from pagedserve.attention.backend import AttentionMetadata
-from pagedserve.models.layers import RMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -96,27 +94,23 @@ def calibration_token_ids(tokenizer) -> list[list[int]]:
 
 def smoothable(model: nn.Module) -> bool:
     """True if every decoder layer is of the plain pre-norm kind whose norms can take the
-    scales: ``LlamaDecoderLayer`` with ``RMSNorm`` (Llama, Qwen2/3; not Gemma's offset
-    norms or the sandwich layers)."""
-    from pagedserve.models.llama import LlamaDecoderLayer
-
-    return len(model.layers) > 0 and all(
-        type(layer) is LlamaDecoderLayer and type(layer.input_layernorm) is RMSNorm
-        and type(layer.post_attention_layernorm) is RMSNorm for layer in model.layers)
+    scales (the model's ``plain_pre_norm_layers``: Llama, Qwen2/3; not Gemma's offset norms
+    or the sandwich layers)."""
+    return model.plain_pre_norm_layers() is not None
 
 
-def smooth_model(model: nn.Module, kv_config, token_ids: list[list[int]]) -> int:
-    """Calibrate on ``token_ids`` (one prefill each) and fold SmoothQuant scales into every
-    decoder layer; call before quantizing. ``kv_config``: the model config the scratch KV
-    cache is shaped by. Returns the number of layers smoothed. Raises ``ValueError`` if
-    not ``smoothable(model)``."""
-    if not smoothable(model):
+def smooth_model(model: nn.Module, token_ids: list[list[int]],
+                 prefill: Callable[[list[int]], object]) -> int:
+    """Calibrate on ``token_ids`` (``prefill(ids)`` runs ``model`` over one prompt) and
+    fold SmoothQuant scales into every decoder layer; call before quantizing. Returns the
+    number of layers smoothed. Raises ``ValueError`` if not ``smoothable(model)``."""
+    layers = model.plain_pre_norm_layers()
+    if layers is None:
         raise ValueError("SmoothQuant needs plain pre-norm decoder layers (LlamaDecoderLayer "
                          "with RMSNorm)")
-    layers = list(model.layers)
     inputs = [p for layer in layers for p in (layer.self_attn.qkv_proj,
                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    absmax = _input_absmax(model, kv_config, token_ids, inputs)
+    absmax = _input_absmax(token_ids, prefill, inputs)
     with torch.no_grad():
         for layer in layers:
             mlp = layer.mlp
@@ -145,7 +139,7 @@ def _scale_(tensor: torch.Tensor, factor: torch.Tensor) -> None:
     tensor.copy_(tensor.float() * factor)
 
 
-def _input_absmax(model: nn.Module, kv_config, token_ids: list[list[int]],
+def _input_absmax(token_ids: list[list[int]], prefill: Callable[[list[int]], object],
                   modules: list[nn.Module]) -> dict[nn.Module, torch.Tensor]:
     """Per input channel, the largest |activation| each of ``modules`` sees over prefills
     of ``token_ids`` (float32 ``[K]`` each)."""
@@ -159,27 +153,8 @@ def _input_absmax(model: nn.Module, kv_config, token_ids: list[list[int]],
     hooks = [m.register_forward_pre_hook(record) for m in modules]
     try:
         for ids in token_ids:
-            _prefill(model, kv_config, ids)
+            prefill(ids)
     finally:
         for h in hooks:
             h.remove()
     return absmax
-
-
-@torch.inference_mode()
-def _prefill(model: nn.Module, kv_config, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """One forward over ``ids`` as a single prompt, into a scratch KV cache of its own;
-    returns the final hidden states ``[len(ids), hidden_size]``."""
-    from pagedserve.worker.kv_cache import allocate_kv_caches
-
-    device = next(model.parameters()).device
-    dtype = model.norm.weight.dtype
-    n, blocks = len(ids), -(-len(ids) // block_size)
-    caches = allocate_kv_caches(kv_config, blocks, block_size, dtype, str(device))
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device),
-        query_start_loc=torch.tensor([0, n], device=device),
-        seq_lens=torch.tensor([n], device=device),
-        block_tables=torch.arange(blocks, device=device)[None],
-        query_lens_list=[n], seq_lens_list=[n], num_decodes=0, block_size=block_size)
-    return model(torch.tensor(ids, device=device), torch.arange(n, device=device), caches, meta)

@@ -8,10 +8,10 @@ the CPU's counterpart of replaying a captured CUDA graph for decodes.
 
 It applies to models whose every layer is a plain ``LlamaDecoderLayer`` (RMSNorm, no
 biases, no q/k norm, full-width neox rotary, SiLU), with the C++ attention backend, in any
-dtype, whatever holds each projection's weight: GGUF blocks (``quant.attach_gguf_weights``),
-int8 rows (``--quantization int8``) or the float weight (``--quantization none``, int8's
-``down_proj``), each multiplied as ``quant.linear`` does; and to steps of at most
-``quant.MAX_ROWS`` tokens that are all decodes. Other models and steps run the Python
+dtype, whatever holds each projection's weight, as long as its quantization method hands
+the step a kernel entry (``LinearWeight.fused_kernel``: GGUF blocks, int8 rows or the
+float weight, each multiplied as the method's ``apply`` does); and to steps of at most
+``MAX_ROWS`` tokens that are all decodes. Other models and steps run the Python
 layers. Measured on the shared workload (35 rows a step on average): the step's Python
 took 14 of 101 ms with GGUF weights (benchmarks/README.md).
 """
@@ -23,13 +23,11 @@ import torch.nn.functional as F
 
 from pagedserve.attention import AttentionMetadata
 from pagedserve.attention.cpu_attn import CpuAttention
-from pagedserve.quantization import linear as quant
-from pagedserve.quantization.int8 import Int8Weight
 from pagedserve.models.layers import RMSNorm
-
-# A projection's kind in llama_decode_layers, besides a GGUF type id (>= 0).
-KIND_INT8, KIND_FLOAT = -1, -2
-_NONE = torch.empty(0)  # the second tensor of a projection that has none
+from pagedserve.models.llama import LlamaDecoderLayer
+from pagedserve.quantization.base import Linear
+from pagedserve.quantization.gguf import MAX_ROWS
+from pagedserve.quantization.none import COLUMN_CHUNK, PACKED_MIN_ROWS
 
 
 class CpuDecodeLayers:
@@ -46,7 +44,7 @@ class CpuDecodeLayers:
         self.kinds: list[int] = []
         self.windows = [layer.self_attn.attn.sliding_window or 0 for layer in model.layers]
         for layer in model.layers:
-            qkv, o, gate_up, down = (_held(p) for p in _projections(layer))
+            qkv, o, gate_up, down = (p.method.fused_kernel(p) for p in _projections(layer))
             self.weights += [layer.input_layernorm.weight.detach(), *qkv[:2], *o[:2],
                              layer.post_attention_layernorm.weight.detach(), *gate_up[:2],
                              *down[:2]]
@@ -55,7 +53,6 @@ class CpuDecodeLayers:
     @classmethod
     def build(cls, model) -> CpuDecodeLayers | None:
         """One for ``model`` if every layer qualifies, else None."""
-        from pagedserve.models.llama import LlamaDecoderLayer
 
         def qualifies(layer) -> bool:
             if type(layer) is not LlamaDecoderLayer:
@@ -67,7 +64,8 @@ class CpuDecodeLayers:
                     and a.rotary is model.layers[0].self_attn.rotary
                     and a.rotary.rotary_dim == a.head_dim and not a.rotary.interleaved
                     and isinstance(a.attn.backend, CpuAttention)
-                    and all(p.bias is None and isinstance(p, quant.Linear)
+                    and all(isinstance(p, Linear) and p.bias is None
+                            and p.method.fused_kernel(p) is not None
                             for p in _projections(layer)))
 
         if len(model.layers) and all(qualifies(layer) for layer in model.layers):
@@ -77,7 +75,7 @@ class CpuDecodeLayers:
     @staticmethod
     def applies(hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A step of at most ``MAX_ROWS`` tokens, all decodes."""
-        return hidden.shape[0] <= quant.MAX_ROWS and meta.num_decodes == meta.num_seqs
+        return hidden.shape[0] <= MAX_ROWS and meta.num_decodes == meta.num_seqs
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -86,17 +84,8 @@ class CpuDecodeLayers:
             hidden, positions, self.weights, self.kinds, kv_caches, self.windows,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.rotary.cos, self.rotary.sin, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.eps, self.scale, quant.PACKED_MIN_ROWS, quant.COLUMN_CHUNK)
+            self.head_dim, self.eps, self.scale, PACKED_MIN_ROWS, COLUMN_CHUNK)
         return hidden
-
-
-def _held(p: quant.Linear) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A projection as llama_decode_layers takes it: two tensors and a kind."""
-    if isinstance(p.quant, quant.GGUFWeight):
-        return p.quant.qweight, _NONE, int(p.quant.qtype)
-    if isinstance(p.quant, Int8Weight):
-        return p.quant.qweight, p.quant.scale, KIND_INT8
-    return p.weight.detach(), _NONE if p.packed is None else p.packed, KIND_FLOAT
 
 
 def _projections(layer) -> list:

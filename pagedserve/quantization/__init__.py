@@ -1,0 +1,62 @@
+"""Quantization methods: how a model's linear layers hold their weights and multiply by
+them (``base.py`` says what a method is).
+
+::
+
+    base.py         Linear, LinearWeight, QuantizationMethod, LoadContext
+    none.py         float weights (GGUF dequantized at load): the exact path; MKL packing
+    gguf.py         GGUF Q4_1 / Q8_0 blocks with 8-bit activations for small steps (CPU)
+    int8.py         W8A8 int8 rows, per-token activation scales (CPU)
+    smoothquant.py  int8's calibration: activation outliers moved into the weights
+
+The registry below is the one place that knows the ``--quantization`` names.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+
+from pagedserve.cpu_ops import cpu_ops_available
+from pagedserve.quantization.base import QuantizationMethod
+from pagedserve.quantization.gguf import GGUFMethod
+from pagedserve.quantization.int8 import Int8Method
+from pagedserve.quantization.none import NoneMethod
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS: dict[str, type[QuantizationMethod]] = {
+    "gguf": GGUFMethod,
+    "int8": Int8Method,
+    "none": NoneMethod,
+}
+QUANTIZATION_CHOICES = tuple(QUANTIZATION_METHODS)
+
+
+def get_quantization_method(name: str | None, model_path: pathlib.Path, device: str,
+                            tensor_parallel_size: int = 1) -> QuantizationMethod:
+    """The method for ``--quantization name`` (None: the default) on this model and device.
+
+    The default is ``gguf`` for a .gguf model on CPU where the C++ kernels build, with one
+    rank (the block kernels read whole rows), else ``none``; ``gguf`` asked for on another
+    device or with tensor parallelism falls back to ``none`` (logged).
+
+    Raises ValueError for a name not in ``QUANTIZATION_CHOICES``, ``gguf`` for a model that
+    is not a GGUF file, or ``int8`` on a device other than the CPU.
+    """
+    if name is not None and name not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} or "
+                         f"unset; got {name!r}")
+    is_gguf = pathlib.Path(model_path).suffix.lower() == ".gguf"
+    if name == "gguf" and not is_gguf:
+        raise ValueError(f"quantization 'gguf' needs a .gguf model; got {str(model_path)!r}")
+    if name == "int8" and device != "cpu":
+        raise ValueError(f"quantization 'int8' runs on CPU only; got device {device!r}")
+    if name is None:
+        name = "gguf" if is_gguf else "none"
+    if name == "gguf" and device != "cpu":
+        logger.info("GGUF kernels run on CPU only: %s uses dequantized weights", device)
+        name = "none"
+    if name == "gguf" and (tensor_parallel_size > 1 or not cpu_ops_available()):
+        name = "none"
+    return QUANTIZATION_METHODS[name]()

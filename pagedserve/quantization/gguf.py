@@ -1,0 +1,133 @@
+"""GGUF block kernels on CPU: the default for GGUF models (``--quantization`` unset or
+``gguf``). Weights stored as Q4_1 or Q8_0 keep their GGUF blocks, and steps with few tokens
+multiply by the blocks directly, with 8-bit activations (``torch.ops.pagedserve.
+ggml_mul_mat_a8``, ``csrc/gguf_gemm_cpu.cpp``), as llama.cpp's CPU backend and vLLM's GGUF
+kernels (``ggml_mul_mat_vec_a8``) do.
+
+Why: at batch 1 a decode step is bound by reading the weights, and the blocks are 3.2x
+(Q8_0) to 6.4x (Q4_1) smaller than float32; integer dot products on 8-bit activations
+keep the kernel at the memory's pace where dequantizing to float32 did not (a lone request's
+weight reads went 12.5 -> 8 ms a token), and at tens of rows they do 4x the multiply-adds
+of a float32 FMA per instruction. The price is the activations' rounding to 8 bits per
+block of 32: not token-exact with float32 (``benchmarks/README.md`` gives perplexity and
+greedy agreement). Steps of more than ``MAX_ROWS`` tokens (prefills) run the float weights,
+which layers keep as well (``none.FloatWeight``). Any model dtype: the kernels take float32
+rows, so bfloat16 steps convert their few rows; a lone request then reads 4-bit weights in
+bfloat16 too, instead of 16-bit ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from pagedserve.cpu_ops import load_cpu_ops
+from pagedserve.model_loader.gguf_file import iter_gguf_blocks
+from pagedserve.quantization.base import EMPTY, Linear, LoadContext, QuantizationMethod, linears
+from pagedserve.quantization.none import FloatWeight, float_weight
+
+logger = logging.getLogger(__name__)
+
+# The block types the kernel reads.
+KERNEL_TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+# Most rows of x computed from the blocks (a decode step of up to 64 sequences); above it
+# MKL on the float32 weights. One decode step's GEMMs of SmolLM2-135M, AVX-512 VNNI Ice
+# Lake, 2 threads: 5.5 / 14 / 28 / 58 ms from the blocks vs - / 39 / 50 / 82 ms MKL at
+# 1 / 16 / 32 / 64 rows; the AVX2 path against MKL limited to AVX2: 34 vs 59 ms at 16
+# rows, 145 vs 150 at 64 (benchmarks/README.md).
+MAX_ROWS = 64
+TILE_ROWS = 16  # output rows per tile of the kernel's layout
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A weight ``[N, K]`` as GGUF blocks in the kernel's layout (``repack_blocks``):
+    ``qweight`` uint8 ``[N / 16, K / 32 * 16 * type_size]``, ``qtype`` one of
+    ``KERNEL_TYPES``; steps of more than ``MAX_ROWS`` rows compute by ``float_path``
+    from the layer's float weight."""
+
+    qweight: torch.Tensor
+    qtype: GGMLQuantizationType
+    float_path: FloatWeight = FloatWeight()
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > MAX_ROWS:
+            return self.float_path.apply(layer, x)
+        # The kernel takes float32; bfloat16 / float16 rows are few here, so converting
+        # them costs little next to reading the weights (a no-op in float32).
+        out = gguf_mm(x.reshape(rows, -1), self).to(x.dtype).view(*x.shape[:-1], -1)
+        return out if layer.bias is None else out + layer.bias
+
+    def fused_kernel(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.qweight, EMPTY, int(self.qtype)
+
+
+def gguf_mm(x: torch.Tensor, weight: GGUFWeight) -> torch.Tensor:
+    """``x [M, K] @ W.T -> [M, N]`` float32 from the blocks, x rounded to 8 bits per
+    block of 32."""
+    return torch.ops.pagedserve.ggml_mul_mat_a8(weight.qweight, x.float(), int(weight.qtype))
+
+
+def repack_blocks(rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """GGUF rows uint8 ``[N, K / 32 * type_size]`` (N a multiple of 16) reordered for
+    ``ggml_mul_mat_a8``: in tiles of 16 rows, and per tile block after block, the 16 rows'
+    scales d, then (Q4_1) their mins m, then their quants in chunks of 4 bytes, chunk-major
+    (``[chunk][row][4 bytes]``). The same bytes, moved so that one 64-byte load holds 4
+    quant bytes of each of 16 rows (layout: ``csrc/gguf_gemm_cpu.cpp``), by the C++ op
+    ``repack_gguf_blocks``. Returns uint8 ``[N / 16, K / 32 * 16 * type_size]``; raises
+    RuntimeError for another type or row count."""
+    return load_cpu_ops().repack_gguf_blocks(rows, int(qtype))
+
+
+def find_blocks(model: nn.Module,
+                blocks: Iterable[tuple[str, GGMLQuantizationType, torch.Tensor]]
+                ) -> dict[Linear, tuple[torch.Tensor, GGMLQuantizationType]]:
+    """The repacked GGUF blocks (``repack_blocks``) of each ``Linear`` of ``model`` that
+    has them; a tied LM head's are the embedding's.
+
+    ``blocks`` holds (HF name, type, rows) as ``gguf_file.iter_gguf_blocks`` yields them.
+    A fused layer (qkv_proj, gate_up_proj) gets its checkpoint tensors' rows concatenated in
+    ``model.checkpoint_names`` order, only if all are there with one type and the kernel
+    takes their row count (a multiple of 16).
+    """
+    found = {name.removeprefix("model.").removesuffix(".weight"): (qtype, rows)
+             for name, qtype, rows in blocks}
+    held = {}
+    for name, layer in linears(model):
+        parts = _concat_rows(found, model.checkpoint_names(name))
+        if parts is not None:
+            held[layer] = parts
+    return held
+
+
+def _concat_rows(found: dict[str, tuple[GGMLQuantizationType, torch.Tensor]],
+                 names: list[str]) -> tuple[torch.Tensor, GGMLQuantizationType] | None:
+    parts = [found.get(n) for n in names]
+    if any(p is None for p in parts) or len({qtype for qtype, _ in parts}) != 1:
+        return None
+    qtype = parts[0][0]
+    rows = torch.cat([rows for _, rows in parts])
+    if rows.shape[0] % TILE_ROWS:
+        return None
+    return repack_blocks(rows, qtype), qtype
+
+
+class GGUFMethod(QuantizationMethod):
+    """Each Linear whose weight the GGUF file holds in a ``KERNEL_TYPES`` type gets a
+    ``GGUFWeight``; the others (and every layer's steps of more than ``MAX_ROWS`` rows)
+    compute in float."""
+
+    name = "gguf"
+
+    def process_model(self, model: nn.Module, ctx: LoadContext) -> str:
+        held = find_blocks(model, iter_gguf_blocks(ctx.model_path, KERNEL_TYPES))
+        for _, layer in linears(model):
+            fallback = float_weight(layer, ctx)
+            layer.method = GGUFWeight(*held[layer], fallback) if layer in held else fallback
+        return f"{len(held)} weights also kept as GGUF blocks for steps of <= {MAX_ROWS} tokens"
