@@ -12,7 +12,9 @@ Only the public API is used, so the same file runs against an old checkout
     python benchmarks/workload_ids.py --compare old.json new.json
 
 ``--compare`` prints how many requests have identical ids (and the first difference) and
-the throughput ratio B/A. On a shared machine the throughput is noisy: alternate runs.
+the throughput ratio B/A. An engine that fails to start is recorded (``error``, exit
+status 1), so that old and new can be seen to fail alike. On a shared machine the
+throughput is noisy: alternate old and new runs.
 """
 
 from __future__ import annotations
@@ -51,7 +53,12 @@ def run(path: str, workload: pathlib.Path) -> dict:
     with open(workload) as f:
         recs = [json.loads(line) for line in f if line.strip()]
     kwargs = PATHS[path]
-    llm = LLM(**kwargs)
+    head = {"path": path, "engine_kwargs": kwargs, "pagedserve_file": pagedserve.__file__,
+            "workload": str(workload), "cpu": cpu_info()}
+    try:
+        llm = LLM(**kwargs)
+    except (ValueError, RuntimeError, OSError) as e:  # recorded: old and new may fail alike
+        return {**head, "error": f"{type(e).__name__}: {e}"}
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in recs]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["max_tokens"])
               for r in recs]
@@ -64,10 +71,8 @@ def run(path: str, workload: pathlib.Path) -> dict:
     # not part of the public API, hence the fallback.
     dtype = getattr(getattr(llm, "engine", None), "dtype", None)
     return {
-        "path": path, "engine_kwargs": kwargs,
-        "resolved_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-        "pagedserve_file": pagedserve.__file__, "workload": str(workload),
-        "cpu": cpu_info(), "num_requests": len(recs),
+        **head, "resolved_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+        "num_requests": len(recs),
         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in recs),
         "output_tokens": n_out, "expected_output_tokens": sum(r["max_tokens"] for r in recs),
         "wall_s": wall, "output_tokens_per_s": n_out / wall, "token_ids": ids,
@@ -76,6 +81,10 @@ def run(path: str, workload: pathlib.Path) -> dict:
 
 def compare(a_file: str, b_file: str) -> int:
     a, b = (json.loads(pathlib.Path(f).read_text()) for f in (a_file, b_file))
+    if "error" in a or "error" in b:
+        print(f"A error: {a.get('error')}\nB error: {b.get('error')}")
+        print(f"same error: {'yes' if a.get('error') == b.get('error') else 'no'}")
+        return 1
     same = sum(x == y for x, y in zip(a["token_ids"], b["token_ids"]))
     n = max(len(a["token_ids"]), len(b["token_ids"]))
     print(f"identical ids: {same}/{n} requests")
@@ -105,6 +114,9 @@ def main() -> int:
     result = run(args.path, pathlib.Path(args.workload))
     with open(args.out, "w") as f:
         json.dump(result, f)
+    if "error" in result:
+        print(f"{args.path}: engine failed: {result['error']}")
+        return 1
     print(f"{args.path}: {result['output_tokens']} output tokens in {result['wall_s']:.2f} s, "
           f"{result['output_tokens_per_s']:.1f} tok/s, dtype {result['resolved_dtype']}, "
           f"pagedserve from {result['pagedserve_file']}")
