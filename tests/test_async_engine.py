@@ -311,14 +311,14 @@ def test_gauges_count_the_step_being_computed(tiny_llama):
                                 skip_tokenizer_init=True, max_num_seqs=1,
                                 num_gpu_blocks_override=32, max_model_len=64))
     entered, release = threading.Event(), threading.Event()
-    execute = core.model_runner.execute_model
+    execute = core.executor.execute_model
 
     def gated_execute(sched):
         entered.set()
         assert release.wait(60), "the test never released the step"
         return execute(sched)
 
-    core.model_runner.execute_model = gated_execute
+    core.executor.execute_model = gated_execute
     stats = PrometheusStatLogger("tiny", 64)
     llm = AsyncLLM(core, stats, num_threads=1)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=2)

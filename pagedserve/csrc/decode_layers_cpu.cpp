@@ -8,7 +8,8 @@
 //   x = rms_norm(h); q, k, v = split(x @ Wqkv^T); rotary(q, k); cache <- k, v
 //   h += paged_attention(q, cache) @ Wo^T
 //   x = rms_norm(h); gate, up = split(x @ Wgate_up^T); h += (silu(gate) * up) @ Wdown^T
-// Each projection W as its layer holds it (quant.linear): GGUF blocks (ggml_mul_mat_a8),
+// Each projection W as its quantization method holds it (LinearWeight.fused_kernel, in
+// pagedserve/quantization/): GGUF blocks (ggml_mul_mat_a8),
 // int8 rows (int8_linear: per-token quantization, torch._int_mm, scales), or a float weight
 // (MKL's packed copy from PACKED_MIN_ROWS rows, column slices above COLUMN_CHUNK outputs,
 // else F.linear); any float dtype.
@@ -40,14 +41,14 @@ namespace {
 
 // Per layer: input norm, qkv (2 tensors), o (2), post-attention norm, gate_up (2), down (2).
 constexpr int64_t kTensorsPerLayer = 10;
-// A projection's kind (models/cpu_decode.py): a GGUF type id (>= 0), or one of these.
+// A projection's kind (quantization/base.py): a GGUF type id (>= 0), or one of these.
 constexpr int64_t kInt8 = -1, kFloat = -2;
 
-struct FloatPaths {  // quant.PACKED_MIN_ROWS, quant.COLUMN_CHUNK
+struct FloatPaths {  // quantization/none.py: PACKED_MIN_ROWS, COLUMN_CHUNK
   int64_t packed_min_rows, column_chunk;
 };
 
-// mkl::_mkl_linear(x, packed, weight, None, rows), the op quant.linear calls (not in ATen's
+// mkl::_mkl_linear(x, packed, weight, None, rows), the op float_linear calls (not in ATen's
 // C++ API: PyTorch registers it under the mkl namespace).
 torch::Tensor mkl_linear(const torch::Tensor& x, const torch::Tensor& packed,
                          const torch::Tensor& weight) {
@@ -59,7 +60,7 @@ torch::Tensor mkl_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return op.call(x, packed, weight, std::nullopt, x.size(0));
 }
 
-// x [T, K] @ W^T as quant.linear computes it for this layer. a, b: GGUF blocks and an empty
+// x [T, K] @ W^T as the layer's method (apply) computes it. a, b: GGUF blocks and an empty
 // tensor; int8 rows [N, K] and their float32 scales [N]; a float weight [N, K] and its
 // MKL-packed copy (empty if none).
 torch::Tensor project(const torch::Tensor& a, const torch::Tensor& b, int64_t kind,
@@ -92,7 +93,7 @@ torch::Tensor project(const torch::Tensor& a, const torch::Tensor& b, int64_t ki
 // post-attention norm's weight, gate_up_proj's, down_proj's; kinds: per layer the four
 // projections' kinds. kv_caches, windows (0: none): per layer. The index tensors are
 // AttentionMetadata's for a step whose sequences are all decodes. packed_min_rows,
-// column_chunk: quant.linear's thresholds for float weights. Raises (RuntimeError) on
+// column_chunk: float_linear's thresholds for float weights. Raises (RuntimeError) on
 // inconsistent lengths.
 void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
                          std::vector<torch::Tensor> weights, std::vector<int64_t> kinds,

@@ -17,9 +17,9 @@
 //   Q4_1: sum_j (d q_j + m)(da a_j) = d da sum_j q_j a_j + m sa;   Q8_0: d da sum_j q_j a_j.
 // Integer sums are exact; the error is x's rounding to 8 bits per block.
 //
-// Repacked layout (repack_blocks in models/quant.py; the same bytes as GGUF's, moved): the
-// rows in tiles of kTileRows = 16, and per tile, block after block: the 16 rows' scales d
-// (fp16), for Q4_1 their 16 mins m, then their quants in chunks of 4 bytes, chunk-major:
+// Repacked layout (repack_blocks in quantization/gguf.py; the same bytes as GGUF's, moved):
+// the rows in tiles of kTileRows = 16, and per tile, block after block: the 16 rows' scales
+// d (fp16), for Q4_1 their 16 mins m, then their quants in chunks of 4 bytes, chunk-major:
 // [chunk c][row r][qs bytes 4c..4c+3] (4 chunks for Q4_1, 8 for Q8_0). One 64-byte load
 // then holds 4 quant bytes of each of the 16 rows, i.e. one 32-bit lane per output row:
 // a VNNI dot product (vpdpbusd) against 4 activation bytes broadcast to every lane adds
