@@ -29,7 +29,9 @@ PATHS = {
     "default": {},
     "none": {"quantization": "none", "dtype": "float32"},
     "int8": {"quantization": "int8"},
-    "tp2": {"tensor_parallel_size": 2},
+    # tensor parallel: SmolLM2's 9 query / 3 KV heads split over 3 ranks, not 2 (mp
+    # processes; 3 ranks share 2 cores here)
+    "tp3": {"tensor_parallel_size": 3},
 }
 WORKLOAD = (pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
             / "smollm2_workload_64.jsonl")

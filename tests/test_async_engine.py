@@ -9,8 +9,8 @@ import time
 import pytest
 from conftest import wait_until
 
-from pagedserve.core.kv_cache_manager import KVCacheStats
 from pagedserve.args import EngineArgs
+from pagedserve.core.kv_cache_manager import KVCacheStats
 from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.request_stream import (

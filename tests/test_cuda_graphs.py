@@ -16,8 +16,8 @@ CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")  # TRITON_INTERPRET=1 is set in conftest.py when there is no GPU
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.attention import triton_attn
 from pagedserve.args import EngineArgs
+from pagedserve.attention import triton_attn
 from pagedserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 
 BLOCK_SIZE = 4

@@ -15,8 +15,8 @@ import pytest
 from conftest import free_port, wait_until
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.data_parallel import DataParallelLLM, replica_cpus
 from pagedserve.args import EngineArgs
+from pagedserve.engine.data_parallel import DataParallelLLM, replica_cpus
 from pagedserve.engine.snapshot import merge_snapshots, take_snapshot
 from pagedserve.metrics import PrometheusStatLogger
 

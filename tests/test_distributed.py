@@ -20,13 +20,13 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.executor.multiproc import EngineDeadError
-from pagedserve.distributed.sharding import kv_head_range, shard_config, shard_weights
 from pagedserve.args import EngineArgs
+from pagedserve.distributed.sharding import kv_head_range, shard_config, shard_weights
 from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.engine.request_stream import EngineClosedError, EngineStepError
 from pagedserve.entrypoints.openai.app import build_app
 from pagedserve.entrypoints.openai.serving_engine import ServingContext
+from pagedserve.executor.base import EngineDeadError
 
 
 def _tiny_gemma3(path):

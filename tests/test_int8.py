@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.cpu_ops import load_cpu_ops
 from pagedserve.args import EngineArgs
-from pagedserve.quantization.int8 import Int8Weight, int8_linear, quantize_model, quantize_weight
+from pagedserve.cpu_ops import load_cpu_ops
 from pagedserve.quantization import get_quantization_method
 from pagedserve.quantization.base import Linear
+from pagedserve.quantization.int8 import Int8Weight, int8_linear, quantize_model, quantize_weight
 
 
 def reference(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor) -> torch.Tensor:

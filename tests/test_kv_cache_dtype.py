@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import resolve_kv_cache_dtype
 from pagedserve.args import EngineArgs
+from pagedserve.config import resolve_kv_cache_dtype
 
 MAX_TOKENS = 24
 

@@ -106,14 +106,9 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
 def room_of(module: str) -> int:
     """Index in ``ROOMS`` of the module's room; ``KeyError`` for a module in none."""
     rest = module.removeprefix("pagedserve").removeprefix(".")
-    best = None
-    for index, room in enumerate(ROOMS):
-        if room == "":
-            if rest == "":
-                best = index
-        elif rest == room or rest.startswith(room + "."):
-            if best is None or len(room) > len(ROOMS[best]):
-                best = index
+    matches = [i for i, room in enumerate(ROOMS)
+               if rest == room or (room and rest.startswith(room + "."))]
+    best = max(matches, key=lambda i: len(ROOMS[i]), default=None)
     if best is None:
         raise KeyError(f"{module} has no room: add it to ROOMS in tests/test_layers.py")
     return best
@@ -175,8 +170,8 @@ def test_the_checks_catch_what_they_look_for():
     graph = {"pagedserve.core.scheduler": {"pagedserve.engine.llm_engine"},
              "pagedserve.engine.llm_engine": {"pagedserve.core.scheduler"},
              "pagedserve.request": set()}
-    assert upward_imports(graph) == ["pagedserve.core.scheduler (core) imports "
-                                     "pagedserve.engine.llm_engine (engine)"]
+    assert upward_imports(graph) == [("pagedserve.core.scheduler (core) imports "
+                                      "pagedserve.engine.llm_engine (engine)")]
     assert import_circles(graph) == [["pagedserve.core.scheduler",
                                       "pagedserve.engine.llm_engine"]]
     lazy = ast.parse("def f():\n    from pagedserve.engine import llm_engine\n"

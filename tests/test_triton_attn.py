@@ -13,8 +13,7 @@ import torch
 CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")  # TRITON_INTERPRET=1 is set in conftest.py when there is no GPU
 
-from pagedserve.attention import triton_attn
-from pagedserve.attention import AttentionMetadata, get_attention_backend
+from pagedserve.attention import AttentionMetadata, get_attention_backend, triton_attn
 from pagedserve.attention.torch_attn import ReferenceAttention, write_kv_slots
 from pagedserve.attention.triton_attn import TritonAttention
 

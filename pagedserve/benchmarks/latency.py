@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
-from pagedserve.benchmarks.datasets import random_samples
 from pagedserve.args import EngineArgs
+from pagedserve.benchmarks.datasets import random_samples
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs

@@ -39,7 +39,6 @@ from typing import TypeVar
 
 import torch
 
-from pagedserve.executor.base import EngineDeadError
 from pagedserve.args import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.engine.request_stream import (
@@ -55,6 +54,7 @@ from pagedserve.engine.request_tracker import (
     Command,
     RequestTracker,
 )
+from pagedserve.executor.base import EngineDeadError
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 

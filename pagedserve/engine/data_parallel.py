@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from pagedserve.engine.replica import ReplicaActor, ReplicaSummary, replica_cpus, run_replica
 from pagedserve.args import EngineArgs
+from pagedserve.engine.replica import ReplicaActor, ReplicaSummary, replica_cpus, run_replica
 from pagedserve.engine.request_stream import EngineClosedError, EngineStepError, RequestStream
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams

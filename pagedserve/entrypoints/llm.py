@@ -8,8 +8,8 @@ from dataclasses import fields
 
 from tqdm import tqdm
 
-from pagedserve.core.kv_cache_manager import KVCacheStats
 from pagedserve.args import EngineArgs
+from pagedserve.core.kv_cache_manager import KVCacheStats
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams

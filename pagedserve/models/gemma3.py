@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 from torch import nn
 
+from pagedserve.model_loader.files import rope_scaling, rope_theta
 from pagedserve.models.layers import GemmaRMSNorm, RotaryEmbedding
 from pagedserve.models.llama import (
     AttentionOptions,
@@ -22,7 +23,6 @@ from pagedserve.models.llama import (
     head_dim_of,
     layer_sliding_window,
 )
-from pagedserve.model_loader.files import rope_scaling, rope_theta
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

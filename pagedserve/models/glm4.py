@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from pagedserve.model_loader.files import partial_rotary_factor, rope_scaling, rope_theta
 from pagedserve.models.layers import RotaryEmbedding
 from pagedserve.models.llama import (
     AttentionOptions,
@@ -20,7 +21,6 @@ from pagedserve.models.llama import (
     SandwichDecoderLayer,
     head_dim_of,
 )
-from pagedserve.model_loader.files import partial_rotary_factor, rope_scaling, rope_theta
 
 
 class GlmForCausalLM(LlamaForCausalLM):

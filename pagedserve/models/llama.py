@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
+from pagedserve.model_loader.files import rope_scaling, rope_theta
 from pagedserve.models.layers import (
     Embedding,
     PagedAttention,
@@ -26,7 +27,6 @@ from pagedserve.models.layers import (
     RotaryEmbedding,
     activation,
 )
-from pagedserve.model_loader.files import rope_scaling, rope_theta
 from pagedserve.quantization.base import Linear
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedserve.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.model_loader.gguf_file import GGUF_ARCHITECTURES
+from pagedserve.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from gguf import GGMLQuantizationType
@@ -53,7 +53,7 @@ class GGUFWeight:
 
     qweight: torch.Tensor
     qtype: GGMLQuantizationType
-    float_path: FloatWeight = FloatWeight()
+    float_path: FloatWeight = field(default_factory=FloatWeight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
