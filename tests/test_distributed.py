@@ -108,7 +108,12 @@ def test_tp2_replicated_kv_head_gemma3(gemma_path):
     _assert_same(ref, got)
 
 
-def test_refuses_sizes_that_do_not_divide(tiny_llama, gemma_path):
+def test_refuses_sizes_that_do_not_divide(tiny_llama, gemma_path, monkeypatch):
+    """Refused before any rank starts (no process to spawn and tear down)."""
+    from pagedserve.executor.multiproc import MultiprocExecutor
+
+    monkeypatch.setattr(MultiprocExecutor, "__init__",
+                        lambda *args: pytest.fail("ranks started before the checks"))
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the "
                                          "model's 4 attention heads"):
         LLM(str(tiny_llama[0]), tensor_parallel_size=3, skip_tokenizer_init=True)

@@ -19,6 +19,7 @@ from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.distributed.config import ParallelConfig
+from pagedserve.distributed.sharding import check_tensor_parallel
 from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
 from pagedserve.engine.timeline import StepTimeline
@@ -74,6 +75,8 @@ class LLMEngine:
         )
         self.parallel_config = ParallelConfig.from_engine_args(args)
         self.parallel_config.check_engine(self.cache_config, self.device)
+        # before any rank starts: a model its ranks cannot split fails at once
+        check_tensor_parallel(self.hf_config, self.parallel_config.tensor_parallel_size)
         self.input_processor = InputProcessor(self.tokenizer, config, args.max_logprobs,
                                               args.max_num_seqs)
         self.eos_token_id = self.input_processor.eos_token_id
