@@ -116,6 +116,12 @@ class CacheConfig:
         if u is not None and not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {u}")
 
+    @classmethod
+    def from_engine_args(cls, args) -> CacheConfig:
+        """The cache fields of ``EngineArgs`` (same names)."""
+        return cls(args.block_size, args.num_gpu_blocks_override, args.kv_cache_memory_bytes,
+                   args.gpu_memory_utilization, args.enable_prefix_caching)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

@@ -12,8 +12,6 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
 
-import torch
-
 from pagedserve.args import EngineArgs
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVCacheStats
@@ -53,7 +51,6 @@ class LLMEngine:
         self.model_path, self.hf_config = config.model_path, config.hf_config
         self.device, self.dtype = config.device, config.dtype
         self.max_model_len = config.max_model_len
-        torch.manual_seed(args.seed)
         self.tokenizer = None
         if not args.skip_tokenizer_init:
             self.tokenizer = self._load_tokenizer()
@@ -66,13 +63,7 @@ class LLMEngine:
             enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling=args.scheduling,
         )
-        self.cache_config = CacheConfig(
-            block_size=args.block_size,
-            num_gpu_blocks_override=args.num_gpu_blocks_override,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching,
-        )
+        self.cache_config = CacheConfig.from_engine_args(args)
         self.parallel_config = ParallelConfig.from_engine_args(args)
         self.parallel_config.check_engine(self.cache_config, self.device)
         # before any rank starts: a model its ranks cannot split fails at once
@@ -87,7 +78,7 @@ class LLMEngine:
             args.structured_outputs_backend)
         # Ranks 1.. start first and load their shards while this process loads rank 0's.
         self.executor = create_executor(self.parallel_config, args, DriverHooks(
-            self._calibration_tokenizer, self.eos_token_id,
+            self._calibration_tokenizer, config, self.eos_token_id,
             self.structured_output.grammar_bitmask))
         try:
             self.num_blocks = self.executor.initialize_cache(self.cache_config,

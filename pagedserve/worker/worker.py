@@ -77,6 +77,8 @@ class DriverHooks:
 
     Attributes:
         tokenizer: returns the tokenizer (a quantization method's calibration text).
+        model_config: the engine's, resolved once (rank 0's device); None on ranks 1..,
+            which resolve their own device.
         eos_token_id: the sampler's EOS (``min_tokens`` masks it).
         grammar_bitmask: the structured-output bitmask of the rows to sample.
         wrap_model: the executor's wrapper of rank 0's model (``DriverModel``), if any.
@@ -85,6 +87,7 @@ class DriverHooks:
     """
 
     tokenizer: Callable[[], object]
+    model_config: ModelConfig | None = None
     eos_token_id: int | None = None
     grammar_bitmask: Callable | None = None
     wrap_model: Callable[[nn.Module], nn.Module] | None = None
@@ -101,7 +104,7 @@ class Worker:
     def __init__(self, args: EngineArgs, hooks: DriverHooks, rank: int = 0,
                  group: RankGroup | None = None) -> None:
         self.args, self.group = args, group
-        self.model_config = config = ModelConfig.from_args(
+        self.model_config = config = hooks.model_config or ModelConfig.from_args(
             args, rank_device(resolve_device(args.device), rank))
         torch.manual_seed(args.seed)
         self.kv_config = shard_config(config.hf_config, 1 if group is None else group.world_size)
@@ -233,10 +236,7 @@ def run_worker(rank: int, world_size: int, host: str, port: int, args: EngineArg
     logger.info("joined %d ranks (%d torch threads, %s)", world_size, torch.get_num_threads(),
                 device)
     worker = Worker(args, DriverHooks(tokenizer=lambda: None), rank, group)
-    cache = CacheConfig(block_size=args.block_size,
-                        num_gpu_blocks_override=args.num_gpu_blocks_override,
-                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+    cache = CacheConfig.from_engine_args(args)
     num_blocks = group.all_reduce_min(worker.determine_num_blocks(cache, SchedulerConfig()))
     worker.initialize_cache(num_blocks, args.max_num_seqs)
     worker.serve()
