@@ -40,7 +40,9 @@ def _heads(config) -> tuple[int, int]:
 def check_tensor_parallel(config, tp: int) -> None:
     """Raise ``ValueError`` (naming both numbers) if the model cannot be split over ``tp``
     ranks: ``tp`` must divide the attention heads and the MLP width, and the KV heads must
-    divide ``tp`` or be divisible by it."""
+    divide ``tp`` or be divisible by it. One rank holds any model."""
+    if tp == 1:
+        return
     heads, kv_heads = _heads(config)
     if heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {heads} "

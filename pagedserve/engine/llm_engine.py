@@ -24,6 +24,7 @@ from pagedserve.engine.timeline import StepTimeline
 from pagedserve.executor import create_executor
 from pagedserve.model_loader.files import resolve_model_path
 from pagedserve.model_loader.model_config import ModelConfig
+from pagedserve.models.registry import get_model_class
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sample.sampler import make_generator
@@ -66,7 +67,8 @@ class LLMEngine:
         self.cache_config = CacheConfig.from_engine_args(args)
         self.parallel_config = ParallelConfig.from_engine_args(args)
         self.parallel_config.check_engine(self.cache_config, self.device)
-        # before any rank starts: a model its ranks cannot split fails at once
+        # before any rank starts: a model we cannot build or its ranks cannot split fails at once
+        get_model_class(self.hf_config)
         check_tensor_parallel(self.hf_config, self.parallel_config.tensor_parallel_size)
         self.input_processor = InputProcessor(self.tokenizer, config, args.max_logprobs,
                                               args.max_num_seqs)
