@@ -16,10 +16,6 @@ bfloat16 KV cache, ``--kv-cache-dtype bfloat16``) it prints:
     PYTHONPATH=. python benchmarks/quant_accuracy.py [--model PATH] [--bf16] [--kv-bf16]
         [--chats 50]
 
-The GGUF kernels serve steps of up to ``MAX_ROWS`` tokens only, so a prompt's scoring (one
-prefill) would not reach them: for that variant ``MAX_ROWS`` is raised while scoring, so
-that every answer token's logprob comes through them (the greedy runs keep the default).
-
 A benchmark, not a test: it prints figures (``benchmarks/README.md`` records them).
 """
 
@@ -32,7 +28,6 @@ import math
 from pathlib import Path
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.quantization import gguf as quant_module
 from pagedserve.quantization.none import FloatWeight
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -129,12 +124,7 @@ def main() -> None:
     for variant in variants:
         llm = make_llm(args.model, variant)
         prompts = scored_prompts(llm.get_tokenizer(), pairs)
-        rows = quant_module.MAX_ROWS
-        quant_module.MAX_ROWS = 1 << 20 if variant == "gguf" else rows
-        try:
-            lps = answer_logprobs(llm, prompts)
-        finally:
-            quant_module.MAX_ROWS = rows
+        lps = answer_logprobs(llm, prompts)
         tokens = greedy(llm, chats)
         del llm
         gc.collect()

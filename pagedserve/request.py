@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -59,7 +57,6 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None,
         arrival_time: float | None = None,
-        generator: torch.Generator | None = None,
         grammar: object | None = None,
     ) -> None:
         self.request_id = request_id
@@ -67,7 +64,6 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.generator = generator
         self.grammar = grammar
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

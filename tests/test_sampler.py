@@ -5,16 +5,16 @@ import math
 import pytest
 import torch
 
-from pagedserve.sample.sampler import Sampler, SamplingBatch, make_generator
+from pagedserve.sample.sampler import Sampler, SamplingBatch, make_generator, noise_seed
 from pagedserve.sampling_params import SamplingParams
 
 SAMPLER = Sampler()
 
 
-def build(params, prompts=None, outputs=None, gens=None, eos=None, vocab=5):
+def build(params, prompts=None, outputs=None, eos=None, vocab=5):
     b = len(params)
     return SamplingBatch.build(params, prompts or [[]] * b, outputs or [[]] * b,
-                               gens or [None] * b, eos, vocab, "cpu")
+                               eos, vocab, "cpu")
 
 
 def test_greedy_is_argmax():
@@ -113,34 +113,30 @@ def test_empirical_distribution_matches_softmax(temperature):
     assert chi_square(torch.bincount(ids, minlength=6).tolist(), expected) < 20.5
 
 
-def test_seeded_rows_follow_their_generator_distribution():
+def test_seeded_rows_follow_the_distribution():
     logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.0])
     n = 3000
-    gens = [make_generator(1000 + i, "cpu") for i in range(n)]
-    batch = build([SamplingParams(seed=1000 + i) for i in range(n)], gens=gens, vocab=6)
+    batch = build([SamplingParams(seed=1000 + i) for i in range(n)], vocab=6)
     ids = SAMPLER(logits.expand(n, 6).contiguous(), batch).sampled_token_ids
     counts = torch.bincount(ids, minlength=6).tolist()
     assert chi_square(counts, torch.softmax(logits, -1).tolist()) < 20.5
 
 
 def run_seeded(seed, position, others, steps=6, vocab=32):
-    """Sample `steps` tokens for a seeded row placed at `position` among `others` rows."""
+    """Sample `steps` tokens for a seeded row placed at `position` among `others` rows
+    (seeded or not, other temperatures and top_k), its output growing by a token a step."""
     step_logits = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(7))
-    gen = make_generator(seed, "cpu")
-    other_gens = [make_generator(100 + i, "cpu") if i % 2 else None for i in range(others)]
     tokens = []
     for s in range(steps):
-        noise = torch.randn(others, vocab)
-        rows = list(noise)
+        rows = list(torch.randn(others, vocab))
         rows.insert(position, step_logits[s])
-        params = [SamplingParams(temperature=0.9 if i % 3 else 1.3, top_k=10 * (i % 2))
-                  for i in range(others)]
-        gens = list(other_gens)
+        params = [SamplingParams(temperature=0.9 if i % 3 else 1.3, top_k=10 * (i % 2),
+                                 seed=100 + i if i % 2 else None) for i in range(others)]
         params.insert(position, SamplingParams(temperature=1.0, seed=seed))
-        gens.insert(position, gen)
-        batch = build(params, outputs=[[]] * (others + 1), gens=gens, vocab=vocab)
-        out = SAMPLER(torch.stack(rows), batch)
-        tokens.append(int(out.sampled_token_ids[position]))
+        outputs = [[1] * (s + i) for i in range(others)]
+        outputs.insert(position, tokens)
+        out = SAMPLER(torch.stack(rows), build(params, outputs=outputs, vocab=vocab))
+        tokens = tokens + [int(out.sampled_token_ids[position])]
     return tokens
 
 
@@ -152,12 +148,20 @@ def test_seeded_row_independent_of_batch():
     assert run_seeded(43, 0, 0) != alone  # another seed gives another sequence
 
 
-def test_greedy_row_does_not_consume_its_generator():
-    gen = make_generator(5, "cpu")
-    state = gen.get_state()
-    batch = build([SamplingParams(temperature=0), SamplingParams()], gens=[gen, None])
-    SAMPLER(torch.randn(2, 5), batch)
-    assert torch.equal(gen.get_state(), state)
+def test_seeded_noise_is_keyed_by_seed_and_position():
+    """The noise for output token i is drawn from noise_seed(seed, i): the same token at
+    position i however many draws came before (a preempted and recomputed request, a
+    speculated one), another position another draw; the mix scatters neighbours."""
+    logits = torch.zeros(1, 64)  # uniform: the token is the noise's argmin
+    def token(seed, position):
+        batch = build([SamplingParams(seed=seed)], outputs=[[7] * position], vocab=64)
+        return int(SAMPLER(logits, batch).sampled_token_ids[0])
+    expected = int(torch.empty(64).exponential_(
+        generator=make_generator(noise_seed(9, 5), "cpu")).argmin())
+    assert token(9, 5) == expected == token(9, 5)
+    assert len({token(9, i) for i in range(12)}) > 6
+    assert len({noise_seed(s, i) for s in range(50) for i in range(50)}) == 2500
+    assert noise_seed(-1, 0) == noise_seed((1 << 64) - 1, 0)  # seeds as 64-bit integers
 
 
 def test_logprobs_are_raw_log_softmax_with_ranks():

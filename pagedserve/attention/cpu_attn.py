@@ -1,8 +1,11 @@
 """Paged attention on CPU through a C++ kernel (``csrc/paged_attention_cpu.cpp``).
 
 The kernel reads each sequence's K/V straight from its blocks, so a decode step costs
-no gathered copy of the context. It handles any query length (tests check prefill rows
-too); the backend routes only decodes to it. See ``cpu_ops.py`` for how it is built.
+no gathered copy of the context. Every query row of a step, decode or prefill, goes
+through it: a row's keys are always summed in the same tiles of 64 from its first key,
+online softmax in the same order, whatever else the step holds, so a prompt's rows get the
+same bits whether it is prefilled at once, in chunks, or after a prefix-cache hit, and a
+decode the same alone as in a batch. See ``cpu_ops.py`` for how it is built.
 """
 
 from __future__ import annotations
@@ -10,14 +13,15 @@ from __future__ import annotations
 import torch
 
 from pagedserve.attention.backend import AttentionMetadata
-from pagedserve.attention.torch_attn import TorchAttention
 from pagedserve.cpu_ops import load_cpu_ops
 
 
-class CpuAttention(TorchAttention):
-    """The C++ kernel for decodes (6x faster than gather + SDPA at batch 64 here) and for
-    writing K/V into the cache; prefills keep PyTorch's fused attention, which is faster
-    for long query blocks."""
+class CpuAttention:
+    """The C++ kernel for every query row, and for writing K/V into the cache.
+
+    Decodes: 6x faster than gather + SDPA at batch 64 here. Prefills: faster than
+    PyTorch's fused SDPA up to some hundreds of tokens a prompt, 1.5-1.75x slower at
+    1-2k (benchmarks/README.md), the price of one order for every row."""
 
     name = "cpu"
 
@@ -29,10 +33,8 @@ class CpuAttention(TorchAttention):
 
     def forward(self, query, kv_cache, meta: AttentionMetadata, scale, sliding_window=None):
         out = torch.empty_like(query)
-        nd = meta.num_decodes
-        if nd:
-            self.ops.paged_attention(
-                query[:nd].contiguous(), kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                meta.query_start_loc[: nd + 1], out[:nd], scale, sliding_window or 0)
-        self._prefill(query, kv_cache, meta, scale, sliding_window, out)
+        n, t = meta.num_seqs, sum(meta.query_lens_list)
+        self.ops.paged_attention(
+            query[:t].contiguous(), kv_cache, meta.block_tables[:n], meta.seq_lens[:n],
+            meta.query_start_loc[: n + 1], out[:t], scale, sliding_window or 0)
         return out

@@ -11,8 +11,7 @@
 // Each projection W as its quantization method holds it (LinearWeight.fused_kernel, in
 // pagedserve/quantization/): GGUF blocks (ggml_mul_mat_a8),
 // int8 rows (int8_linear: per-token quantization, torch._int_mm, scales), or a float weight
-// (MKL's packed copy from PACKED_MIN_ROWS rows, column slices above COLUMN_CHUNK outputs,
-// else F.linear); any float dtype.
+// (fixed_order_linear on its packed copy, else F.linear); any float dtype.
 
 #include <torch/extension.h>
 
@@ -33,6 +32,7 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
                      double scale, int64_t window);
 torch::Tensor ggml_mul_mat_a8(torch::Tensor qweight, torch::Tensor x, int64_t qweight_type);
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows_int8(torch::Tensor x);
+torch::Tensor fixed_order_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor int8_scaled_mm_epilogue(torch::Tensor acc, torch::Tensor x_scale,
                                       torch::Tensor w_scale, std::optional<torch::Tensor> bias,
                                       at::ScalarType dtype);
@@ -44,44 +44,18 @@ constexpr int64_t kTensorsPerLayer = 10;
 // A projection's kind (quantization/base.py): a GGUF type id (>= 0), or one of these.
 constexpr int64_t kInt8 = -1, kFloat = -2;
 
-struct FloatPaths {  // quantization/none.py: PACKED_MIN_ROWS, COLUMN_CHUNK
-  int64_t packed_min_rows, column_chunk;
-};
-
-// mkl::_mkl_linear(x, packed, weight, None, rows), the op float_linear calls (not in ATen's
-// C++ API: PyTorch registers it under the mkl namespace).
-torch::Tensor mkl_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                         const torch::Tensor& weight) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkl::_mkl_linear", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const std::optional<at::Tensor>&, int64_t)>();
-  return op.call(x, packed, weight, std::nullopt, x.size(0));
-}
-
 // x [T, K] @ W^T as the layer's method (apply) computes it. a, b: GGUF blocks and an empty
 // tensor; int8 rows [N, K] and their float32 scales [N]; a float weight [N, K] and its
-// MKL-packed copy (empty if none).
+// packed copy for fixed_order_linear (empty if none).
 torch::Tensor project(const torch::Tensor& a, const torch::Tensor& b, int64_t kind,
-                      const torch::Tensor& x, const FloatPaths& paths) {
+                      const torch::Tensor& x) {
   if (kind == kInt8) {
     auto [q, scale] = quantize_rows_int8(x);
     return int8_scaled_mm_epilogue(at::_int_mm(q, a.t()), scale, b, std::nullopt,
                                    x.scalar_type());
   }
-  if (kind == kFloat) {
-    const int64_t T = x.size(0), N = a.size(0);
-    if (b.numel() > 0 && T >= paths.packed_min_rows) return mkl_linear(x, b, a);
-    if (N <= paths.column_chunk) return at::linear(x, a);
-    auto out = torch::empty({T, N}, x.options());  // quant.column_chunked_mm
-    for (int64_t start = 0; start < N; start += paths.column_chunk) {
-      const int64_t width = std::min(paths.column_chunk, N - start);
-      auto slice = out.narrow(1, start, width);
-      at::mm_out(slice, x, a.narrow(0, start, width).t());
-    }
-    return out;
-  }
+  if (kind == kFloat)
+    return b.numel() > 0 ? fixed_order_linear(x, b, a.size(0)) : at::linear(x, a);
   // The GGUF kernel takes and gives float32 rows (no-op casts in float32).
   return ggml_mul_mat_a8(a, x.to(at::kFloat), kind).to(x.scalar_type());
 }
@@ -92,17 +66,15 @@ torch::Tensor project(const torch::Tensor& a, const torch::Tensor& b, int64_t ki
 // order, the input norm's weight, qkv_proj's two tensors (see project), o_proj's, the
 // post-attention norm's weight, gate_up_proj's, down_proj's; kinds: per layer the four
 // projections' kinds. kv_caches, windows (0: none): per layer. The index tensors are
-// AttentionMetadata's for a step whose sequences are all decodes. packed_min_rows,
-// column_chunk: float_linear's thresholds for float weights. Raises (RuntimeError) on
-// inconsistent lengths.
+// AttentionMetadata's for a step whose sequences are all decodes. Raises (RuntimeError)
+// on inconsistent lengths.
 void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
                          std::vector<torch::Tensor> weights, std::vector<int64_t> kinds,
                          std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,
                          torch::Tensor slot_mapping, torch::Tensor block_tables,
                          torch::Tensor seq_lens, torch::Tensor query_start_loc,
                          torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         int64_t packed_min_rows, int64_t column_chunk) {
+                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kTensorsPerLayer * layers &&
                   static_cast<int64_t>(kinds.size()) == 4 * layers &&
@@ -112,13 +84,12 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
               "llama_decode_layers: hidden must be a contiguous [T, hidden_size]");
   const int64_t T = hidden.size(0), q_size = num_heads * head_dim;
   const int64_t kv_size = num_kv_heads * head_dim;
-  const FloatPaths paths{packed_min_rows, column_chunk};
   auto x = torch::empty_like(hidden);
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + kTensorsPerLayer * l;
     const int64_t* kind = kinds.data() + 4 * l;
     rms_norm(x, hidden, w[0], eps);
-    const auto qkv = project(w[1], w[2], kind[0], x, paths);
+    const auto qkv = project(w[1], w[2], kind[0], x);
     auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -127,12 +98,12 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
     auto attn = torch::empty({T, num_heads, head_dim}, hidden.options());
     paged_attention(q.contiguous(), kv_caches[l], block_tables, seq_lens, query_start_loc, attn,
                     scale, windows[l]);
-    hidden.add_(project(w[3], w[4], kind[1], attn.view({T, q_size}), paths));
+    hidden.add_(project(w[3], w[4], kind[1], attn.view({T, q_size})));
     rms_norm(x, hidden, w[5], eps);
-    const auto gate_up = project(w[6], w[7], kind[2], x, paths);
+    const auto gate_up = project(w[6], w[7], kind[2], x);
     const int64_t inter = gate_up.size(1) / 2;
     const auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
-    hidden.add_(project(w[8], w[9], kind[3], act, paths));
+    hidden.add_(project(w[8], w[9], kind[3], act));
   }
 }
 

@@ -27,7 +27,6 @@ from pagedserve.model_loader.model_config import ModelConfig
 from pagedserve.models.registry import get_model_class
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.request import Request, RequestStatus
-from pagedserve.sample.sampler import make_generator
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputManager
 from pagedserve.tokenizer import load_tokenizer
@@ -135,10 +134,8 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 child_params = replace(params, seed=params.seed + i)  # distinct, reproducible
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            generator = (make_generator(child_params.seed, self.device)
-                         if child_params.seed is not None else None)
             children.append(Request(child_id, token_ids, child_params, self.eos_token_id,
-                                    arrival, generator, grammars[i]))
+                                    arrival, grammars[i]))
         parent = ParentState(request_id, text, token_ids, params, RequestMetrics(arrival))
         self.output_processor.add_request(parent, children)
         self.scheduler.add_request(children[0], forks=children[1:])

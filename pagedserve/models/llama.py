@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:  # the same parameter; a quantization method may give
             self.tie_lm_head()        # the head its own copy (int8 rows, GGUF blocks)
         # the fused decode step (worker/cpu_decode.py), set by the worker where it applies:
-        # a callable (positions, hidden, kv_caches, meta) -> hidden with .applies(hidden, meta)
+        # a callable (positions, hidden, kv_caches, meta) -> hidden with .applies(meta)
         self.cpu_decode = None
 
     # -- what families override ---------------------------------------------------------
@@ -258,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
             # a CPU scalar: no host-to-device copy, which CUDA graph capture forbids
             scale = torch.tensor(self.embed_scale, dtype=hidden.dtype)
             hidden = hidden * scale
-        if self.cpu_decode is not None and self.cpu_decode.applies(hidden, meta):
+        if self.cpu_decode is not None and self.cpu_decode.applies(meta):
             return self.norm(self.cpu_decode(positions, hidden, kv_caches, meta))
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(positions, hidden, kv_cache, meta)

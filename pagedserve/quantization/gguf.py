@@ -1,6 +1,6 @@
 """GGUF block kernels on CPU: the default for GGUF models (``--quantization`` unset or
-``gguf``). Weights stored as Q4_1 or Q8_0 keep their GGUF blocks, and steps with few tokens
-multiply by the blocks directly, with 8-bit activations (``torch.ops.pagedserve.
+``gguf``). Weights stored as Q4_1 or Q8_0 keep their GGUF blocks, and every step
+multiplies by the blocks directly, with 8-bit activations (``torch.ops.pagedserve.
 ggml_mul_mat_a8``, ``csrc/gguf_gemm_cpu.cpp``), as llama.cpp's CPU backend and vLLM's GGUF
 kernels (``ggml_mul_mat_vec_a8``) do.
 
@@ -10,17 +10,19 @@ keep the kernel at the memory's pace where dequantizing to float32 did not (a lo
 weight reads went 12.5 -> 8 ms a token), and at tens of rows they do 4x the multiply-adds
 of a float32 FMA per instruction. The price is the activations' rounding to 8 bits per
 block of 32: not token-exact with float32 (``benchmarks/README.md`` gives perplexity and
-greedy agreement). Steps of more than ``MAX_ROWS`` tokens (prefills) run the float weights,
-which layers keep as well (``none.FloatWeight``). Any model dtype: the kernels take float32
-rows, so bfloat16 steps convert their few rows; a lone request then reads 4-bit weights in
-bfloat16 too, instead of 16-bit ones.
+greedy agreement). Every step, prefills too: each row is quantized on its own and its
+products summed block after block in one order, so a row gets the same bits alone as in a
+batch, and a prompt the same chunked or not (a switch to float weights above some row count
+would break both). Any model dtype: the kernels take float32 rows, so bfloat16 steps
+convert theirs; a lone request then reads 4-bit weights in bfloat16 too, instead of 16-bit
+ones.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType
@@ -29,18 +31,12 @@ from torch import nn
 from pagedserve.cpu_ops import load_cpu_ops
 from pagedserve.model_loader.gguf_file import iter_gguf_blocks
 from pagedserve.quantization.base import EMPTY, Linear, LoadContext, QuantizationMethod, linears
-from pagedserve.quantization.none import FloatWeight, float_weight
+from pagedserve.quantization.none import float_weight
 
 logger = logging.getLogger(__name__)
 
 # The block types the kernel reads.
 KERNEL_TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
-# Most rows of x computed from the blocks (a decode step of up to 64 sequences); above it
-# MKL on the float32 weights. One decode step's GEMMs of SmolLM2-135M, AVX-512 VNNI Ice
-# Lake, 2 threads: 5.5 / 14 / 28 / 58 ms from the blocks vs - / 39 / 50 / 82 ms MKL at
-# 1 / 16 / 32 / 64 rows; the AVX2 path against MKL limited to AVX2: 34 vs 59 ms at 16
-# rows, 145 vs 150 at 64 (benchmarks/README.md).
-MAX_ROWS = 64
 TILE_ROWS = 16  # output rows per tile of the kernel's layout
 
 
@@ -48,19 +44,14 @@ TILE_ROWS = 16  # output rows per tile of the kernel's layout
 class GGUFWeight:
     """A weight ``[N, K]`` as GGUF blocks in the kernel's layout (``repack_blocks``):
     ``qweight`` uint8 ``[N / 16, K / 32 * 16 * type_size]``, ``qtype`` one of
-    ``KERNEL_TYPES``; steps of more than ``MAX_ROWS`` rows compute by ``float_path``
-    from the layer's float weight."""
+    ``KERNEL_TYPES``."""
 
     qweight: torch.Tensor
     qtype: GGMLQuantizationType
-    float_path: FloatWeight = field(default_factory=FloatWeight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > MAX_ROWS:
-            return self.float_path.apply(layer, x)
-        # The kernel takes float32; bfloat16 / float16 rows are few here, so converting
-        # them costs little next to reading the weights (a no-op in float32).
+        # The kernel takes float32 (a no-op in float32).
         out = gguf_mm(x.reshape(rows, -1), self).to(x.dtype).view(*x.shape[:-1], -1)
         return out if layer.bias is None else out + layer.bias
 
@@ -120,14 +111,12 @@ def _concat_rows(found: dict[str, tuple[GGMLQuantizationType, torch.Tensor]],
 
 class GGUFMethod(QuantizationMethod):
     """Each Linear whose weight the GGUF file holds in a ``KERNEL_TYPES`` type gets a
-    ``GGUFWeight``; the others (and every layer's steps of more than ``MAX_ROWS`` rows)
-    compute in float."""
+    ``GGUFWeight``; the others compute in float (``none.FloatWeight``)."""
 
     name = "gguf"
 
     def process_model(self, model: nn.Module, ctx: LoadContext) -> str:
         held = find_blocks(model, iter_gguf_blocks(ctx.model_path, KERNEL_TYPES))
         for _, layer in linears(model):
-            fallback = float_weight(layer, ctx)
-            layer.method = GGUFWeight(*held[layer], fallback) if layer in held else fallback
-        return f"{len(held)} weights also kept as GGUF blocks for steps of <= {MAX_ROWS} tokens"
+            layer.method = GGUFWeight(*held[layer]) if layer in held else float_weight(layer, ctx)
+        return f"{len(held)} weights computed from their GGUF blocks"

@@ -7,10 +7,17 @@ Follows vLLM v1's ``Sampler`` (``vllm/v1/sample/sampler.py``) in order and seman
 3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens);
 3b. structured outputs: the grammar bitmask of the constrained rows only (-inf where a
    token is not allowed; -inf commutes with the temperature division that follows);
-4. greedy rows take the argmax; the others: / temperature, min_p, top_k, top_p, softmax,
-   then the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, which draws from
-   ``probs`` exactly. A row with a seeded generator draws its own ``q`` from it, so its
-   tokens do not depend on the other rows or on the batch size.
+4. greedy rows take the argmax; the others: / temperature, min_p, top_k, top_p, then the
+   exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, which draws from ``probs``
+   exactly, taken in log space as ``argmax(x - log q)`` (the Gumbel-max trick: the
+   softmax's normalizer is the same for every token of a row, so it is never computed).
+
+Every row's result is a function of that row alone, bit for bit, whatever the batch
+(batch invariance): the normalizers of logprobs and top_p come from ``logsumexp_rows``
+(one summation order per row, where ``torch.logsumexp`` changes it with the row count),
+min_p compares logits (``x < max + log(min_p)``, no softmax), and a seeded row's noise for
+output token ``i`` is drawn from a generator seeded with ``noise_seed(seed, i)``: the same
+sample alone, batched, after preemption, or (a draft's verification) out of order.
 """
 
 from __future__ import annotations
@@ -19,15 +26,43 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.cpu_ops import cpu_layer_ops
 from pagedserve.sampling_params import SAMPLING_EPS, SamplingParams
 from pagedserve.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    """SplitMix64's output function (Steele, Lea & Flood, "Fast splittable pseudorandom
+    number generators", OOPSLA 2014): a bijection of 64-bit integers that scatters nearby
+    inputs."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """The generator seed of the noise for output token ``position`` (0-based) of a request
+    seeded ``seed``: a function of the two alone, so that token's sample never depends on
+    the batch, on preemption, or on how many draws came before."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
+
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` seeded with ``seed`` (one per seeded request)."""
+    """A ``torch.Generator`` on ``device`` seeded with ``seed``."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
+
+
+def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """``log(sum(exp(x), -1))`` of float32 ``x`` ``[B, V]`` -> ``[B]``. On CPU each row in
+    one summation order whatever B (``torch.ops.pagedserve.row_logsumexp``,
+    ``csrc/logsumexp_cpu.cpp``); elsewhere ``torch.logsumexp``."""
+    ops = cpu_layer_ops(x)
+    return ops.row_logsumexp(x) if ops is not None else torch.logsumexp(x, dim=-1)
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
@@ -56,8 +91,10 @@ class SamplingBatch:
         top_p, min_p: [B] float32.
         top_k: [B] int64, 0 = off (-1 normalised to 0, values above V clamped to V).
         presence_penalty, frequency_penalty, repetition_penalty: [B] float32.
-        generators: per row, the request's seeded generator or None (None for greedy
-            rows: they draw no noise, so their generator does not advance).
+        seeds: per row, the request's seed, or None (unseeded rows draw from the global
+            generator; greedy rows draw nothing).
+        positions: per row, the index of the output token being sampled (its number of
+            output tokens so far), which keys a seeded row's noise (``noise_seed``).
         greedy: [B] bool, rows that take the argmax.
         prompt_token_ids: [B, Lp] int64 padded with V, or None when no row has a
             repetition penalty. output_token_ids: [B, Lo] int64 padded with V, or None
@@ -77,7 +114,8 @@ class SamplingBatch:
     presence_penalty: torch.Tensor
     frequency_penalty: torch.Tensor
     repetition_penalty: torch.Tensor
-    generators: list[torch.Generator | None]
+    seeds: list[int | None]
+    positions: list[int]
     greedy: torch.Tensor
     prompt_token_ids: torch.Tensor | None
     output_token_ids: torch.Tensor | None
@@ -98,8 +136,7 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], generators: list[torch.Generator | None],
-              eos_token_id: int | None, vocab_size: int,
+              output_token_ids: list[list[int]], eos_token_id: int | None, vocab_size: int,
               device: torch.device | str, grammar: GrammarBitmask | None = None
               ) -> SamplingBatch:
         """Gather the rows' parameters into tensors on ``device``.
@@ -112,10 +149,10 @@ class SamplingBatch:
         ``stop_token_ids`` id is outside [0, vocab_size).
         """
         b = len(params)
-        if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == b:
-            raise ValueError("params, prompt_token_ids, output_token_ids and generators must "
-                             f"have the same length; got {b}, {len(prompt_token_ids)}, "
-                             f"{len(output_token_ids)}, {len(generators)}")
+        if not len(prompt_token_ids) == len(output_token_ids) == b:
+            raise ValueError("params, prompt_token_ids and output_token_ids must have the "
+                             f"same length; got {b}, {len(prompt_token_ids)}, "
+                             f"{len(output_token_ids)}")
 
         def f32(vals: list[float]) -> torch.Tensor:
             return torch.tensor(vals, dtype=torch.float32, device=device)
@@ -163,7 +200,8 @@ class SamplingBatch:
             presence_penalty=f32(pres),
             frequency_penalty=f32(freq),
             repetition_penalty=f32(rep),
-            generators=[None if g else gen for g, gen in zip(greedy, generators)],
+            seeds=[None if g else p.seed for g, p in zip(greedy, params)],
+            positions=[len(out) for out in output_token_ids],
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             prompt_token_ids=None if no_rep else _pad(prompt_token_ids, vocab_size, device),
             output_token_ids=None if no_penalties else _pad(output_token_ids, vocab_size, device),
@@ -213,8 +251,8 @@ class Sampler:
 
         Raises ``ValueError`` if ``logits`` is not [len(batch), batch.vocab_size].
         """
-        if logits.dim() != 2 or logits.shape != (len(batch.generators), batch.vocab_size):
-            raise ValueError(f"logits must be [{len(batch.generators)}, {batch.vocab_size}]; "
+        if logits.dim() != 2 or logits.shape != (len(batch.seeds), batch.vocab_size):
+            raise ValueError(f"logits must be [{len(batch.seeds)}, {batch.vocab_size}]; "
                              f"got {list(logits.shape)}")
         raw = logits.float()
         x = self.process_logits(raw, batch)
@@ -222,7 +260,7 @@ class Sampler:
         if batch.max_num_logprobs is None:  # the common case: no softmax over the vocabulary
             return SamplerOutput(sampled, None, None, None, None)
 
-        lse = torch.logsumexp(raw, dim=-1)
+        lse = logsumexp_rows(raw)
         topk_ids = topk_lp = None
         if batch.max_num_logprobs:
             top_vals, topk_ids = raw.topk(batch.max_num_logprobs, dim=-1)
@@ -275,23 +313,30 @@ class Sampler:
         greedy_ids = None if batch.all_random else x.argmax(dim=-1)
         x = x / batch.temperature[:, None]
         if not batch.no_min_p:
-            probs = x.softmax(dim=-1)
-            threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-            x = x.masked_fill(probs < threshold, float("-inf"))
+            # probs < min_p * max(probs)  <=>  x < max(x) + log(min_p): no normalizer needed
+            floor = x.amax(dim=-1, keepdim=True) + batch.min_p[:, None].log()
+            x = x.masked_fill(x < floor, float("-inf"))
         if not (batch.no_top_k and batch.no_top_p):
             x = _top_k_top_p(x, None if batch.no_top_k else batch.top_k,
                              None if batch.no_top_p else batch.top_p)
-        probs = x.softmax(dim=-1)
-        q = torch.empty_like(probs)
-        seeded = [i for i, g in enumerate(batch.generators) if g is not None]
-        if len(seeded) < len(batch.generators):
-            q.exponential_()
-        for i in seeded:
-            q[i].exponential_(generator=batch.generators[i])
-        sampled = (probs / q).argmax(dim=-1)
+        log_q = _exponential_noise(x, batch).log_()
+        sampled = (x - log_q).argmax(dim=-1)
         if greedy_ids is not None:
             sampled = torch.where(batch.greedy, greedy_ids, sampled)
         return sampled
+
+
+def _exponential_noise(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``q ~ Exp(1)`` shaped like ``x`` ``[B, V]``: a seeded row's from its own generator
+    seeded with ``noise_seed(seed, position)``, the other rows' from the global one."""
+    q = torch.empty_like(x)
+    seeded = [i for i, s in enumerate(batch.seeds) if s is not None]
+    if len(seeded) < len(batch.seeds):
+        q.exponential_()
+    for i in seeded:
+        gen = make_generator(noise_seed(batch.seeds[i], batch.positions[i]), x.device)
+        q[i].exponential_(generator=gen)
+    return q
 
 
 def _top_k_top_p(x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -307,7 +352,8 @@ def _top_k_top_p(x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
         kth = x_sort.gather(1, (vocab - k_eff)[:, None])
         x_sort = x_sort.masked_fill(x_sort < kth, float("-inf"))
     if p is not None:
-        cum = x_sort.softmax(dim=-1).cumsum(dim=-1)
+        probs = (x_sort - logsumexp_rows(x_sort)[:, None]).exp_()
+        cum = probs.cumsum(dim=-1)
         mask = cum <= 1 - p[:, None]
         mask[:, -1] = False
         x_sort = x_sort.masked_fill(mask, float("-inf"))

@@ -1,5 +1,4 @@
-"""The decoder layers of a Llama-family model in one C++ call for decode steps of few
-tokens on CPU (``torch.ops.pagedserve.llama_decode_layers``, ``csrc/decode_layers_cpu.cpp``).
+"""The decoder layers of a Llama-family model in one C++ call for decode steps on CPU (``torch.ops.pagedserve.llama_decode_layers``, ``csrc/decode_layers_cpu.cpp``).
 
 Why: a lone request's decode step on CPU spent as long in Python (module calls, views,
 ~25 op dispatches a layer) as in reading its 4-bit weights. The C++ call runs the same
@@ -10,9 +9,8 @@ It applies to models whose every layer is a plain ``LlamaDecoderLayer`` (RMSNorm
 biases, no q/k norm, full-width neox rotary, SiLU), with the C++ attention backend, in any
 dtype, whatever holds each projection's weight, as long as its quantization method hands
 the step a kernel entry (``LinearWeight.fused_kernel``: GGUF blocks, int8 rows or the
-float weight, each multiplied as the method's ``apply`` does); and to steps of at most
-``MAX_ROWS`` tokens that are all decodes. Other models and steps run the Python
-layers. Measured on the shared workload (35 rows a step on average): the step's Python
+float weight, each multiplied as the method's ``apply`` does); and to steps whose
+sequences are all decodes. Other models and steps run the Python layers. Measured on the shared workload (35 rows a step on average): the step's Python
 took 14 of 101 ms with GGUF weights (benchmarks/README.md).
 """
 
@@ -26,8 +24,6 @@ from pagedserve.attention.cpu_attn import CpuAttention
 from pagedserve.models.layers import RMSNorm
 from pagedserve.models.llama import LlamaDecoderLayer
 from pagedserve.quantization.base import Linear
-from pagedserve.quantization.gguf import MAX_ROWS
-from pagedserve.quantization.none import COLUMN_CHUNK, PACKED_MIN_ROWS
 
 
 class CpuDecodeLayers:
@@ -73,9 +69,9 @@ class CpuDecodeLayers:
         return None
 
     @staticmethod
-    def applies(hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A step of at most ``MAX_ROWS`` tokens, all decodes."""
-        return hidden.shape[0] <= MAX_ROWS and meta.num_decodes == meta.num_seqs
+    def applies(meta: AttentionMetadata) -> bool:
+        """A step whose sequences are all decodes."""
+        return meta.num_decodes == meta.num_seqs
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -84,7 +80,7 @@ class CpuDecodeLayers:
             hidden, positions, self.weights, self.kinds, kv_caches, self.windows,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.rotary.cos, self.rotary.sin, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.eps, self.scale, PACKED_MIN_ROWS, COLUMN_CHUNK)
+            self.head_dim, self.eps, self.scale)
         return hidden
 
 

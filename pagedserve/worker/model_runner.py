@@ -18,7 +18,7 @@ import torch
 from pagedserve.attention import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.request import Request
-from pagedserve.sample.sampler import Sampler, SamplingBatch
+from pagedserve.sample.sampler import Sampler, SamplingBatch, logsumexp_rows
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import GrammarBitmask
 from pagedserve.worker.cuda_graphs import DecodeGraphs
@@ -170,7 +170,6 @@ class ModelRunner:
             [r.sampling_params for r in requests],
             [r.prompt_token_ids for r in requests],
             [r.output_token_ids for r in requests],
-            [r.generator for r in requests],
             self.eos_token_id, self.vocab_size, logits.device, self.grammar_bitmask(requests),
         )
         result = self.sampler(logits, batch)
@@ -194,7 +193,8 @@ class ModelRunner:
         num_rows = min(num_new, request.num_prompt_tokens - 1 - start)
         if num_rows <= 0:
             return
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[:num_rows]), dim=-1)
+        logits = self.model.compute_logits(hidden[:num_rows])
+        logprobs = logits - logsumexp_rows(logits)[:, None]  # a row's bits whatever the chunk
         targets = torch.tensor(request.prompt_token_ids[start + 1 : start + 1 + num_rows],
                                device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])

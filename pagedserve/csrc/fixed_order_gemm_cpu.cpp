@@ -1,0 +1,213 @@
+// Batch-invariant float GEMM for CPU (torch.ops.pagedserve.fixed_order_linear):
+//   out[M, N] = x[M, K] @ W^T,  W [N, K] float32 or bfloat16, x float32 or bfloat16.
+//
+// Every output element out[m, n] is ONE chain of fused multiply-adds in float32,
+//   acc = 0;  for k = 0 .. K-1:  acc = fma(x[m, k], W[n, k], acc)
+// whatever M is, wherever row m sits in the step, however many threads run: the order of
+// the sum is fixed by construction, so a row computes the same bits alone as in a batch of
+// any size (the property vLLM's and SGLang's batch-invariant GPU kernels provide; Thinking
+// Machines, "Defeating Nondeterminism in LLM Inference", 2025). Library GEMMs (MKL, oneDNN)
+// promise no such thing: they pick kernels, K-splits and summation orders by shape.
+//
+// How it stays fast (the structure of Goto & van de Geijn, "Anatomy of High-Performance
+// Matrix Multiplication", 2008, and BLIS): W is packed once at load into panels of kPanel
+// output columns, [ceil(N / kPanel)][K][kPanel] (zero columns pad the last panel), so a
+// panel's k-th step is one contiguous kPanel-wide load. A micro-kernel keeps kRows x kPanel
+// accumulators in registers and, per k, broadcasts one x value per row against the panel's
+// two vectors. K is cut into runs of kDepth, and a block of kPanelsPerBlock panels (kDepth x
+// kPanelsPerBlock * kPanel weights, L2-sized) is reused by every kRows rows of x; between
+// runs the accumulators go to out and come back, which continues the same chain (a
+// float32 store and load are exact). Threads split the panels: no thread ever shares an
+// output element, so there is no split-K and no reduction across threads.
+//
+// bfloat16 is the top half of a float32: its weights and rows convert exactly (a widen and
+// a shift), the sums stay float32, and a bfloat16 result is rounded once at the end.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+struct Vec {
+  using V = __m512;
+  static constexpr int64_t kLanes = 16;
+  static inline V zero() { return _mm512_setzero_ps(); }
+  static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline V load(const c10::BFloat16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static inline V broadcast(float a) { return _mm512_set1_ps(a); }
+  static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Vec {
+  using V = __m256;
+  static constexpr int64_t kLanes = 8;
+  static inline V zero() { return _mm256_setzero_ps(); }
+  static inline V load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline V load(const c10::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static inline V broadcast(float a) { return _mm256_set1_ps(a); }
+  static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#else  // portable: the same chains, one lane at a time (std::fma rounds once, like FMA)
+struct Vec {
+  static constexpr int64_t kLanes = 8;
+  struct V {
+    float v[kLanes];
+  };
+  static inline V zero() { return V{}; }
+  static inline V load(const float* p) {
+    V r;
+    std::memcpy(r.v, p, sizeof(r.v));
+    return r;
+  }
+  static inline V load(const c10::BFloat16* p) {
+    V r;
+    for (int64_t i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  static inline V broadcast(float a) {
+    V r;
+    for (int64_t i = 0; i < kLanes; ++i) r.v[i] = a;
+    return r;
+  }
+  static inline V fma(V a, V b, V c) {
+    for (int64_t i = 0; i < kLanes; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return c;
+  }
+  static inline void store(float* p, V v) { std::memcpy(p, v.v, sizeof(v.v)); }
+};
+#endif
+
+constexpr int64_t kPanel = 2 * Vec::kLanes;  // output columns per panel: two vectors
+constexpr int kRows = 6;                     // rows of x per micro-kernel call
+constexpr int64_t kDepth = 256;              // k per run: a row's run is 1 KiB (L1)
+constexpr int64_t kPanelsPerBlock = 8;       // panels sharing x's runs (L2)
+
+// c[r, 0:kPanel] (ldc apart) for r < R continued over `depth` steps of k: x (ldx apart)
+// against one panel's run w [depth][kPanel]; `first` starts the chains at zero.
+template <int R, typename W>
+inline void micro_kernel(const float* x, int64_t ldx, const W* w, int64_t depth, float* c,
+                         int64_t ldc, bool first) {
+  Vec::V acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = first ? Vec::zero() : Vec::load(c + r * ldc);
+    acc[r][1] = first ? Vec::zero() : Vec::load(c + r * ldc + Vec::kLanes);
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const Vec::V w0 = Vec::load(w + k * kPanel), w1 = Vec::load(w + k * kPanel + Vec::kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec::V a = Vec::broadcast(x[r * ldx + k]);
+      acc[r][0] = Vec::fma(a, w0, acc[r][0]);
+      acc[r][1] = Vec::fma(a, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Vec::store(c + r * ldc, acc[r][0]);
+    Vec::store(c + r * ldc + Vec::kLanes, acc[r][1]);
+  }
+}
+
+template <typename W>
+void micro_kernel_rows(int rows, const float* x, int64_t ldx, const W* w, int64_t depth,
+                       float* c, int64_t ldc, bool first) {
+  switch (rows) {
+    case 1: micro_kernel<1>(x, ldx, w, depth, c, ldc, first); break;
+    case 2: micro_kernel<2>(x, ldx, w, depth, c, ldc, first); break;
+    case 3: micro_kernel<3>(x, ldx, w, depth, c, ldc, first); break;
+    case 4: micro_kernel<4>(x, ldx, w, depth, c, ldc, first); break;
+    case 5: micro_kernel<5>(x, ldx, w, depth, c, ldc, first); break;
+    default: micro_kernel<kRows>(x, ldx, w, depth, c, ldc, first); break;
+  }
+}
+
+// c [M, panels * kPanel] = x [M, K] @ the packed panels.
+template <typename W>
+void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t panels, float* c) {
+  const int64_t ldc = panels * kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerBlock) {
+      const int64_t p1 = std::min(end, p0 + kPanelsPerBlock);
+      for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
+        const int64_t depth = std::min(kDepth, K - k0);
+        for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+          for (int64_t p = p0; p < p1; ++p)
+            micro_kernel_rows(rows, x + m0 * K + k0, K, packed + (p * K + k0) * kPanel, depth,
+                              c + m0 * ldc + p * kPanel, ldc, k0 == 0);
+        }
+      }
+    }
+  });
+}
+
+void check_float(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+              "fixed_order_linear: ", what, " must be float32 or bfloat16, got ",
+              t.scalar_type());
+}
+
+}  // namespace
+
+// weight [N, K] float32 or bfloat16 -> the same dtype [ceil(N / P), K, P], P = the panel
+// width of this build (16 with AVX2, 32 with AVX-512): column j of panel p is row
+// p * P + j of weight, zero past N. Raises (RuntimeError) on another dtype or shape.
+torch::Tensor pack_linear_weight(torch::Tensor weight) {
+  check_float(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: weight must be [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  auto padded = torch::zeros({panels * kPanel, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] float32 or bfloat16 @ the weight packed by pack_linear_weight, N its rows ->
+// [M, N] in x's dtype (see the top of the file for the order of every sum). Raises
+// (RuntimeError) on another dtype or mismatched shapes.
+torch::Tensor fixed_order_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  check_float(x, "x");
+  check_float(packed, "packed");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel &&
+                  packed.is_contiguous(),
+              "fixed_order_linear: x must be [M, K] and packed [panels, K, ", kPanel, "]");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K && N > (panels - 1) * kPanel && N <= panels * kPanel,
+              "fixed_order_linear: x has K = ", K, " and N = ", N, "; packed is ",
+              packed.sizes());
+  const auto xf = x.to(at::kFloat).contiguous();
+  const bool direct = x.scalar_type() == at::kFloat && N == panels * kPanel;
+  auto c = torch::empty({M, panels * kPanel}, x.options().dtype(at::kFloat));
+  if (M > 0) {
+    if (packed.scalar_type() == at::kFloat)
+      gemm(xf.data_ptr<float>(), M, K, packed.data_ptr<float>(), panels, c.data_ptr<float>());
+    else
+      gemm(xf.data_ptr<float>(), M, K, packed.data_ptr<c10::BFloat16>(), panels,
+           c.data_ptr<float>());
+  }
+  if (direct) return c;
+  return c.narrow(1, 0, N).to(x.scalar_type()).contiguous();
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("pack_linear_weight", &pack_linear_weight);
+  m.def("fixed_order_linear", &fixed_order_linear);
+}
