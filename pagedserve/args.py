@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 # The help of --quantization; README.md (Models) quotes it word for word (a test checks).
 QUANTIZATION_HELP = (
     "unset or gguf: on CPU with one rank, the Q4_1 and Q8_0 weights of a .gguf model stay "
-    "GGUF blocks that steps of up to 64 tokens multiply by directly, with the activations "
+    "GGUF blocks that every step multiplies by directly, with the activations "
     "rounded to 8 bits per block of 32 (in any --dtype; not token-exact); int8: W8A8, "
     "weights quantized per output channel at load after SmoothQuant, activations per token "
     "(CPU only; not exact); none: dequantized weights only (exact with --dtype float32)")

@@ -55,7 +55,7 @@ def test_fixed_order_linear_rows_invariant(m, shape, dtype, seed):
     x = torch.randn(m, k, generator=gen).to(dtype)
     ops = load_cpu_ops()
     packed = ops.pack_linear_weight(weight)
-    multiply = lambda rows: ops.fixed_order_linear(rows, packed, n)  # noqa: E731
+    multiply = lambda rows: ops.fixed_order_linear(rows, packed, n)
     assert_rows_invariant(multiply, x)
     exact = x.double() @ weight.double().T
     out = multiply(x)

@@ -90,10 +90,10 @@ def test_mixed_batch_matches_reference(device, block_size, kv_heads, group, head
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("partition_size", [None, 16, 48])
+@pytest.mark.parametrize("partition_size", [256, 16, 48])
 def test_decode_splits(device, partition_size):
     """Split-K decode: one split, many splits with empty trailing partitions for the short
-    sequences, and the automatic choice."""
+    sequences."""
     ctx_q = [(n - 1, 1) for n in (1, 3, 16, 17, 50, 97)]
     query, cache, meta = make_batch(ctx_q, 4, 2, 3, 16, device)
     ref = ReferenceAttention().forward(query, cache, meta, 0.25)
@@ -102,7 +102,7 @@ def test_decode_splits(device, partition_size):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("partition_size,window", [(None, None), (16, None), (16, 40)])
+@pytest.mark.parametrize("partition_size,window", [(256, None), (16, None), (16, 40)])
 @pytest.mark.parametrize("lens", [(1, 2, 5), (1, 40, 97)])
 def test_decode_fixed_split_layout(device, partition_size, window, lens):
     """The layout CUDA graphs freeze: splits chosen for ``max_decode_seq_len`` (128)
@@ -113,6 +113,25 @@ def test_decode_fixed_split_layout(device, partition_size, window, lens):
     out = TritonAttention(partition_size=partition_size).forward(query, cache, meta, 0.25, window)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 40])
+def test_decode_row_batch_invariant(device, window):
+    """A decode row gets the same bits alone, beside longer contexts (more splits), and in a
+    CUDA graph's fixed launch (max_decode_seq_len): its partitions are fixed."""
+    query, cache, meta = make_batch([(n - 1, 1) for n in (37, 5, 97, 60)], 4, 2, 3, 16, device)
+    attention = TritonAttention(partition_size=16)
+    batched = attention.forward(query, cache, meta, 0.25, window)
+    meta.max_decode_seq_len = 160
+    graphed = attention.forward(query, cache, meta, 0.25, window)
+    alone_meta = AttentionMetadata(  # row 0 alone, over the same blocks
+        slot_mapping=meta.slot_mapping[:1], query_start_loc=meta.query_start_loc[:2],
+        seq_lens=meta.seq_lens[:1], block_tables=meta.block_tables[:1],
+        query_lens_list=[1], seq_lens_list=meta.seq_lens_list[:1], num_decodes=1,
+        block_size=meta.block_size)
+    alone = attention.forward(query[:1], cache, alone_meta, 0.25, window)
+    assert torch.equal(batched[:1], alone) and torch.equal(graphed, batched)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -38,11 +38,13 @@ No kernel launch here reads a device tensor on the host: shapes come from the
 metadata's Python lists. What is fixed per model (head counts, head_dim, block size,
 tiles, window on/off, dtype) is a compile-time constant; what changes per step (split
 count, partition size, number of prefills) is a runtime argument, so a model compiles a
-handful of kernel variants once. A metadata's ``max_decode_seq_len`` fixes the launch for
-CUDA graphs: the split count is chosen for that length, and each sequence spreads its own
-context evenly over the splits (partitions of ``cdiv(context, splits)`` tokens rounded up
-to the key tile), so a short context still uses many programs; partitions past its end are
-empty (max -inf, sum 0, acc 0) and weigh 0 in the reduce.
+handful of kernel variants once.
+
+Batch invariance: a decode row's context is cut at fixed positions, partitions of
+``partition_size`` tokens from its own window start, whatever the batch, so the order of
+its sums never depends on what else runs. The batch (its longest context, or a CUDA
+graph's ``max_decode_seq_len``) only sets how many partitions are launched; those past a
+sequence's end are empty (max -inf, sum 0, acc 0) and add exact zeros in the reduce.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ if INTERPRET and type(tl.standard.zeros).__name__ != "InterpretedFunction":
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_ROWS = 16  # tl.dot on tensor cores wants >= 16 rows; pad the GQA group up to it
+# Context tokens per decode split: a 4k context spreads over 16 programs per KV head (the
+# parallelism flash-decoding wants for few, long sequences), a short one takes one.
+PARTITION_SIZE = 256
 
 
 def _next_pow2(n: int) -> int:
@@ -106,7 +111,7 @@ def _decode_kernel(
     scale_log2, window, partition_size, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_h, stride_bt,
-    NUM_HEADS: tl.constexpr, SINGLE_SPLIT: tl.constexpr, PER_SEQ_PARTITION: tl.constexpr,
+    NUM_HEADS: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -119,11 +124,8 @@ def _decode_kernel(
     ctx_lo = 0
     if USE_WINDOW:
         ctx_lo = tl.maximum(seq_len - window, 0)
-    part = partition_size
-    if PER_SEQ_PARTITION:  # this sequence's context spread evenly over the splits
-        part = tl.cdiv(tl.cdiv(seq_len - ctx_lo, num_splits), TILE_N) * TILE_N
-    start = ctx_lo + split * part
-    end = tl.minimum(start + part, seq_len)
+    start = ctx_lo + split * partition_size
+    end = tl.minimum(start + partition_size, seq_len)
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -277,24 +279,22 @@ class TritonAttention:
     """The Triton paged-attention backend.
 
     Args:
-        partition_size: context tokens per decode split (a multiple of the key tile);
-            None picks it per step so that batch x kv_heads x splits fills the device.
-            With a metadata's ``max_decode_seq_len`` it sets the split count only (see
-            the module docstring).
+        partition_size: context tokens per decode split (rounded up to the key tile), the
+            same for every step so that a row's split never depends on the batch (see the
+            module docstring).
         prefill_rows: rows of a prefill tile (query tokens x padded GQA group), a power
             of two.
     """
 
     name = "triton"
 
-    def __init__(self, partition_size: int | None = None, prefill_rows: int = 64) -> None:
-        if partition_size is not None and partition_size < 1:
+    def __init__(self, partition_size: int = PARTITION_SIZE, prefill_rows: int = 64) -> None:
+        if partition_size < 1:
             raise ValueError(f"partition_size must be >= 1; got {partition_size}")
         if prefill_rows < 1 or prefill_rows & (prefill_rows - 1):
             raise ValueError(f"prefill_rows must be a power of two; got {prefill_rows}")
         self.partition_size = partition_size
         self.prefill_rows = prefill_rows
-        self._num_sms: dict[str, int] = {}
 
     # -- KV write -------------------------------------------------------------------------
 
@@ -351,7 +351,7 @@ class TritonAttention:
         longest = meta.max_decode_seq_len or max(meta.seq_lens_list[:nd])
         if sliding_window is not None:
             longest = min(longest, sliding_window)
-        part = self._partition_size(nd * num_kv_heads, longest, tile_n, query.device)
+        part = _cdiv(self.partition_size, tile_n) * tile_n
         splits = _cdiv(longest, part)
         d_pad = common["D_PAD"]
         if splits > 1:
@@ -367,8 +367,7 @@ class TritonAttention:
             partition_size=part, num_splits=splits,
             stride_qt=query.stride(0), stride_qh=query.stride(1),
             stride_ot=out.stride(0), stride_oh=out.stride(1),
-            NUM_HEADS=num_heads, SINGLE_SPLIT=splits == 1,
-            PER_SEQ_PARTITION=meta.max_decode_seq_len is not None, TILE_N=tile_n,
+            NUM_HEADS=num_heads, SINGLE_SPLIT=splits == 1, TILE_N=tile_n,
             num_warps=4, **common,
         )
         if splits > 1:
@@ -377,26 +376,6 @@ class TritonAttention:
                 NUM_HEADS=num_heads, S_PAD=_next_pow2(splits),
                 HEAD_DIM=common["HEAD_DIM"], D_PAD=d_pad, num_warps=4,
             )
-
-    def _partition_size(self, programs_per_split: int, longest: int, tile_n: int,
-                        device: torch.device) -> int:
-        """Tokens per decode split, a multiple of ``tile_n``: the fixed one if given, else
-        small enough that ~2 programs per SM run (few sequences, long contexts) and no
-        smaller than one tile."""
-        if self.partition_size is not None:
-            return _cdiv(self.partition_size, tile_n) * tile_n
-        want_splits = max(1, _cdiv(2 * self._sm_count(device), programs_per_split))
-        part = _cdiv(_cdiv(longest, want_splits), tile_n) * tile_n
-        return max(part, tile_n)
-
-    def _sm_count(self, device: torch.device) -> int:
-        key = str(device)
-        if key not in self._num_sms:
-            if device.type == "cuda":
-                self._num_sms[key] = torch.cuda.get_device_properties(device).multi_processor_count
-            else:
-                self._num_sms[key] = 4  # interpreter: a few splits, to exercise the reduce
-        return self._num_sms[key]
 
     def _prefill(self, query, kv_cache, meta, out, common) -> None:
         nd, num_seqs = meta.num_decodes, meta.num_seqs
