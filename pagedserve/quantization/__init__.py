@@ -4,8 +4,8 @@ them (``base.py`` says what a method is).
 ::
 
     base.py         Linear, LinearWeight, QuantizationMethod, LoadContext
-    none.py         float weights (GGUF dequantized at load): the exact path; MKL packing
-    gguf.py         GGUF Q4_1 / Q8_0 blocks with 8-bit activations for small steps (CPU)
+    none.py         float weights (GGUF dequantized at load): the exact path; fixed-order GEMM
+    gguf.py         GGUF Q4_1 / Q8_0 blocks with 8-bit activations, every step (CPU)
     int8.py         W8A8 int8 rows, per-token activation scales (CPU)
     smoothquant.py  int8's calibration: activation outliers moved into the weights
 
