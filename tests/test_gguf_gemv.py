@@ -270,8 +270,8 @@ def test_model_layers_carry_their_blocks(llm_gguf):
 
 def test_kernels_stay_close_to_the_exact_path(llm, llm_gguf, chat_prompts):
     """The 8-bit activations' cost in accuracy, teacher-forced: the chat prompts and the
-    exact engine's 32 greedy tokens after each, scored by both engines. Measured: mean |logprob difference| 0.064, max 0.76,
-    perplexity -2.1%. The perplexity ratio on these ~290 tokens is noisy: rounding each
+    exact engine's 32 greedy tokens after each, scored by both engines. Measured: mean
+    |logprob difference| 0.064, max 0.76, perplexity -2.1%. The perplexity ratio on these ~290 tokens is noisy: rounding each
     8-bit activation is a step function, so float-rounding changes upstream move it (the
     previous kernel gave -1.4%, and +0.6% with x scaled by 1 + 2^-22); hence a 4% bound
     (benchmarks/quant_accuracy.py has the held-out figures)."""

@@ -15,7 +15,6 @@
 
 #include <torch/extension.h>
 
-#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>

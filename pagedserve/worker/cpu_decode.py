@@ -1,4 +1,5 @@
-"""The decoder layers of a Llama-family model in one C++ call for decode steps on CPU (``torch.ops.pagedserve.llama_decode_layers``, ``csrc/decode_layers_cpu.cpp``).
+"""The decoder layers of a Llama-family model in one C++ call for decode steps on CPU
+(``torch.ops.pagedserve.llama_decode_layers``, ``csrc/decode_layers_cpu.cpp``).
 
 Why: a lone request's decode step on CPU spent as long in Python (module calls, views,
 ~25 op dispatches a layer) as in reading its 4-bit weights. The C++ call runs the same
@@ -10,8 +11,9 @@ biases, no q/k norm, full-width neox rotary, SiLU), with the C++ attention backe
 dtype, whatever holds each projection's weight, as long as its quantization method hands
 the step a kernel entry (``LinearWeight.fused_kernel``: GGUF blocks, int8 rows or the
 float weight, each multiplied as the method's ``apply`` does); and to steps whose
-sequences are all decodes. Other models and steps run the Python layers. Measured on the shared workload (35 rows a step on average): the step's Python
-took 14 of 101 ms with GGUF weights (benchmarks/README.md).
+sequences are all decodes. Other models and steps run the Python layers. Measured on the
+shared workload (35 rows a step on average): the step's Python took 14 of 101 ms with GGUF
+weights (benchmarks/README.md).
 """
 
 from __future__ import annotations
