@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers and the rejection sampler that verifies them."""
