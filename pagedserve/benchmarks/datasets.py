@@ -13,10 +13,15 @@
 - ``workload``: JSON lines with ``prompt_token_ids`` (or ``prompt`` text) and
   ``max_tokens``; default ``smollm2_workload_64.jsonl``, the fixed workload the peer
   engines were measured on (token ids fed as they are, file order kept).
+- ``copy-edit``: prompts whose answers copy from them, for n-gram speculation: half "quote
+  the paragraph that says X" over a given text, half "rename this variable / fix this
+  line" over given code, answered with the whole file; every paragraph to quote and every
+  file is >= 128 tokens. Output length ``--output-len`` (default 192). Bundled with the
+  package (``data/copy_edit_prompts.json``: texts and code written for it).
 
 Chat prompts get the model's chat template. The files come from the shared data folder
-(``../shared/data`` next to the repository, see its README); ``--dataset-path`` names
-another file or folder.
+(``../shared/data`` next to the repository, see its README), ``copy-edit``'s from the
+package; ``--dataset-path`` names another file or folder.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ DEFAULT_FILES = {
     "alpaca-eval": "alpaca_eval_gpt4_1106_preview_model_outputs.json",
     "workload": "smollm2_workload_64.jsonl",
 }
-DATASET_NAMES = ["random", *DEFAULT_FILES]
+COPY_EDIT_FILE = pathlib.Path(__file__).resolve().parent / "data" / "copy_edit_prompts.json"
+DATASET_NAMES = ["random", *DEFAULT_FILES, "copy-edit"]
 DEFAULT_OUTPUT_LEN = 128
+COPY_EDIT_OUTPUT_LEN = 192
 
 
 @dataclass
@@ -70,7 +77,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", type=int, default=128, help="random: mean prompt length")
     g.add_argument("--output-len", type=int, default=None,
                    help=f"random: mean output length; others: output length of prompts "
-                        f"without a reference reply (default: {DEFAULT_OUTPUT_LEN})")
+                        f"without a reference reply (default: {DEFAULT_OUTPUT_LEN}; "
+                        f"copy-edit: {COPY_EDIT_OUTPUT_LEN})")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="random: lengths uniform in [len*(1-r), len*(1+r)], r in [0, 1)")
     g.add_argument("--max-output-len", type=int, default=None,
@@ -82,7 +90,7 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
 def needs_tokenizer(dataset_name: str) -> bool:
     """Whether a set needs the tokenizer (chat template, reply lengths)."""
-    return dataset_name in ("sharegpt", "mt-bench", "alpaca-eval")
+    return dataset_name in ("sharegpt", "mt-bench", "alpaca-eval", "copy-edit")
 
 
 def resolve_path(dataset_name: str, dataset_path: str | None) -> pathlib.Path | tuple:
@@ -119,20 +127,31 @@ def get_samples(args: argparse.Namespace, tokenizer=None, vocab_size: int | None
                               args.range_ratio, vocab_size, seed, special)
     if needs_tokenizer(name) and tokenizer is None:
         raise ValueError(f"dataset {name} needs a tokenizer")
-    path = resolve_path(name, args.dataset_path)
-    if name == "sharegpt":
-        samples = sharegpt_samples(path, tokenizer, output_len)
-    elif name == "mt-bench":
-        samples = mt_bench_samples(*path, tokenizer, args.mt_bench_turns)
-    elif name == "alpaca-eval":
-        samples = alpaca_eval_samples(path, tokenizer)
+    if name == "copy-edit":
+        path = pathlib.Path(args.dataset_path).expanduser() if args.dataset_path \
+            else COPY_EDIT_FILE
+        samples = copy_edit_samples(path, tokenizer, args.output_len or COPY_EDIT_OUTPUT_LEN)
     else:
-        samples = workload_samples(path)
+        samples = file_samples(name, args.dataset_path, tokenizer, output_len,
+                               args.mt_bench_turns)
     if args.max_output_len is not None:
         for s in samples:
             s.expected_output_len = min(s.expected_output_len, args.max_output_len)
     samples = fit(samples, max_model_len)
     return select(samples, args.num_prompts, seed, sample=name != "workload")
+
+
+def file_samples(name: str, dataset_path: str | None, tokenizer, output_len: int,
+                 mt_bench_turns: int) -> list[SampleRequest]:
+    """The requests of a set read from the shared data folder (or ``dataset_path``)."""
+    path = resolve_path(name, dataset_path)
+    if name == "sharegpt":
+        return sharegpt_samples(path, tokenizer, output_len)
+    if name == "mt-bench":
+        return mt_bench_samples(*path, tokenizer, mt_bench_turns)
+    if name == "alpaca-eval":
+        return alpaca_eval_samples(path, tokenizer)
+    return workload_samples(path)
 
 
 def random_samples(num: int, input_len: int, output_len: int, range_ratio: float,
@@ -239,6 +258,38 @@ def workload_samples(path: pathlib.Path, tokenizer=None) -> list[SampleRequest]:
             samples.append(SampleRequest(list(ids), int(rec.get("max_tokens",
                                                                DEFAULT_OUTPUT_LEN))))
     return samples
+
+
+def copy_edit_prompts(path: pathlib.Path = COPY_EDIT_FILE) -> list[dict]:
+    """The copy-edit prompts, quotes first: ``{"kind": "quote" | "code", "source": the
+    paragraph to quote or the file to edit, "prompt": the user message}``.
+
+    ``path`` holds ``{"quote": [{"title", "paragraphs", "quote_paragraph" (an index),
+    "says"}, ...], "code": [{"language", "code" (lines), "request"}, ...]}``.
+    """
+    with open(path) as f:
+        data = json.load(f)
+    prompts = []
+    for q in data["quote"]:
+        text = "\n\n".join(q["paragraphs"])
+        prompts.append({"kind": "quote", "source": q["paragraphs"][q["quote_paragraph"]],
+                        "prompt": f'Here is a text titled "{q["title"]}".\n\n{text}\n\n'
+                                  f'Quote, word for word, the paragraph that {q["says"]}. '
+                                  f'Reply with that paragraph only, exactly as written.'})
+    for c in data["code"]:
+        code = "\n".join(c["code"])
+        prompts.append({"kind": "code", "source": code,
+                        "prompt": f'Here is a {c["language"]} file.\n\n'
+                                  f'```{c["language"].lower()}\n{code}\n```\n\n'
+                                  f'{c["request"]} Return the whole corrected file in one '
+                                  f'code block, with every other line unchanged.'})
+    return prompts
+
+
+def copy_edit_samples(path: pathlib.Path, tokenizer, output_len: int) -> list[SampleRequest]:
+    """The copy-edit prompts as chats, each generating ``output_len`` tokens."""
+    return [SampleRequest(chat_ids(tokenizer, [{"role": "user", "content": p["prompt"]}]),
+                          output_len) for p in copy_edit_prompts(path)]
 
 
 def fit(samples: list[SampleRequest], max_model_len: int | None) -> list[SampleRequest]:
