@@ -46,6 +46,8 @@ class EngineArgs:
     distributed_timeout: float = 300.0
     # vLLM's StructuredOutputsConfig as a dict; only "backend" ("auto" or "xgrammar").
     structured_outputs_config: dict | None = None
+    # vLLM's SpeculativeConfig as a dict or its JSON text (config.SpeculativeConfig).
+    speculative_config: dict | str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -127,6 +129,10 @@ class EngineArgs:
                             help="engine of structured outputs (response_format, "
                                  "structured_outputs, tools): auto and xgrammar both mean "
                                  "xgrammar")
+        parser.add_argument("--speculative-config", default=None,
+                            help="speculative decoding as JSON, vLLM's fields: "
+                                 "{\"method\": \"ngram\" | \"draft_model\" | \"self\", "
+                                 "\"num_speculative_tokens\": k, ...} (see README)")
         return parser
 
     @classmethod

@@ -6,6 +6,7 @@ Names follow vLLM's engine arguments (``block_size``, ``max_num_seqs``,
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -160,3 +161,113 @@ class SchedulerConfig:
                 "without chunked prefill, max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
+
+
+SPEC_METHODS = ("ngram", "draft_model", "self")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "model", "quantization", "prompt_lookup_min",
+              "prompt_lookup_max", "disable_by_batch_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config``; its field names).
+
+    Attributes:
+        method: ``ngram`` (prompt lookup: drafts copied from the request's own tokens),
+            ``draft_model`` (a smaller model of the same vocabulary, ``model``) or ``self``
+            (the target's own fast inexact path drafts, its exact path verifies).
+        num_speculative_tokens: k, draft tokens per request and step (verified in one
+            forward pass of k + 1 rows).
+        model: the draft model (``draft_model``): a Hugging Face directory or .gguf file.
+        quantization: ``self``: the draft's quantization method (default: ``gguf`` for a
+            .gguf model, else ``int8``); ``draft_model``: the draft's (default: its own).
+        prompt_lookup_min, prompt_lookup_max: ``ngram``: the n-gram lengths matched
+            (vLLM's defaults: both 5 when neither is given, else the one given for both).
+        disable_by_batch_size: no drafts in a step whose batch already runs this many
+            requests or more (vLLM's field): under load a verify step costs more than its
+            accepted tokens save. None: always draft.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    quantization: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}; "
+                             f"got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1; "
+                             f"got {self.num_speculative_tokens!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model is required with method 'draft_model' "
+                             f"and only then; got method {self.method!r}, model {self.model!r}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError("speculative_config.disable_by_batch_size must be >= 2; got "
+                             f"{self.disable_by_batch_size}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram":
+            if lo is not None or hi is not None:
+                raise ValueError("speculative_config.prompt_lookup_min/max apply to method "
+                                 f"'ngram' only; got method {self.method!r}")
+            return
+        lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+        if lo < 1 or hi < lo:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max; got {lo}, {hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_dict(cls, config: dict | str | None) -> SpeculativeConfig | None:
+        """Parse ``--speculative-config`` (a dict, or its JSON text); None for None.
+
+        As vLLM, a ``model`` without a ``method`` means ``draft_model``. Raises
+        ``ValueError`` naming the field: bad JSON, an unknown key, a missing or bad value.
+        """
+        if config is None:
+            return None
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a JSON object; got {config!r}")  # noqa: TRY004 (bad input)
+        unknown = sorted(set(config) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {list(_SPEC_KEYS)}")
+        config = dict(config)
+        if config.get("method") is None:
+            if config.get("model") is None:
+                raise ValueError("speculative_config.method is required (ngram, draft_model "
+                                 "or self)")
+            config["method"] = "draft_model"
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        return cls(**config)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs beyond the tokens it verifies in a step: a model's draft
+        writes the K/V of the k tokens it feeds after them; n-gram drafts write none."""
+        return 0 if self.method == "ngram" else self.num_speculative_tokens
+
+    def target_quantization(self, quantization: str | None, tensor_parallel_size: int
+                            ) -> str | None:
+        """The target's ``--quantization`` under this config: ``self`` verifies with the
+        exact path (``none``). Raises ``ValueError`` for ``self`` with another method, and
+        for a model draft under tensor parallelism (drafts run on one rank)."""
+        if self.method != "ngram" and tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config method {self.method!r} runs on one rank; "
+                             f"got tensor_parallel_size={tensor_parallel_size}")
+        if self.method != "self":
+            return quantization
+        if quantization not in (None, "none"):
+            raise ValueError("speculative_config method 'self' verifies with the exact path: "
+                             f"quantization must be 'none' or unset; got {quantization!r}")
+        return "none"

@@ -20,7 +20,7 @@ number of sequences that produced a token in one engine step (the decode batch s
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import prometheus_client
 from prometheus_client import (
@@ -66,6 +66,41 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec_decoding: SpecDecodingStats | None = None  # cumulative; None: no speculation
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding's cumulative counts (vLLM's ``SpecDecodingStats``): requests
+    that verified drafts (``num_drafts``, once per request and step), draft tokens
+    verified, drafts accepted, and accepted drafts by position (0 = the first draft)."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request verified ``num_draft_tokens`` drafts and kept the first
+        ``num_accepted``."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified draft tokens (None before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    def copy(self) -> SpecDecodingStats:
+        return replace(self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
 
 
 @dataclass
@@ -248,7 +283,31 @@ class _EngineMetrics:
             "pagedserve:iteration_num_seqs",
             "Histogram of the number of sequences that produced a token per engine step.",
             _BATCH_BUCKETS)
+        self._family, self._values = family, values
+        self._spec: tuple | None = None  # the spec-decode counters, made on first use
         self._last = SchedulerStats()
+
+    def _record_spec(self, now: SpecDecodingStats, last: SpecDecodingStats | None) -> None:
+        """vLLM's ``vllm:spec_decode_*`` counters, incremented by what ``now`` adds to
+        ``last`` (made with the first stats, so an engine without speculation has none)."""
+        if self._spec is None:
+            def counter(name: str, doc: str, *labels: str):
+                return self._family(Counter, name, doc, labels)
+
+            self._spec = (
+                counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                        "Accepted tokens per draft position.", "position"))
+        last = last or SpecDecodingStats(now.num_spec_tokens)
+        drafts, draft_tokens, accepted, per_pos = self._spec
+        drafts.labels(*self._values).inc(now.num_drafts - last.num_drafts)
+        draft_tokens.labels(*self._values).inc(now.num_draft_tokens - last.num_draft_tokens)
+        accepted.labels(*self._values).inc(now.num_accepted_tokens - last.num_accepted_tokens)
+        for pos, (n, m) in enumerate(zip(now.num_accepted_tokens_per_pos,
+                                         last.num_accepted_tokens_per_pos)):
+            per_pos.labels(*self._values, str(pos)).inc(n - m)
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None) -> None:
@@ -260,6 +319,8 @@ class _EngineMetrics:
             self.prefix_cache_queries.inc(max(0, s.prefix_cache_queries - last.prefix_cache_queries))
             self.prefix_cache_hits.inc(max(0, s.prefix_cache_hits - last.prefix_cache_hits))
             self.num_preemptions.inc(max(0, s.num_preemptions - last.num_preemptions))
+            if s.spec_decoding is not None:
+                self._record_spec(s.spec_decoding, last.spec_decoding)
             self._last = s
         if iteration_stats is None:
             return

@@ -44,7 +44,9 @@ class Request:
     """One sequence being generated.
 
     ``all_token_ids`` is the prompt followed by the output so far; tokens
-    ``[0, num_computed_tokens)`` have their K/V in the cache. ``grammar`` is the
+    ``[0, num_computed_tokens)`` have their K/V in the cache. ``spec_token_ids`` are draft
+    tokens proposed to follow ``all_token_ids`` (speculative decoding): the next step
+    verifies them, and only the accepted ones join ``all_token_ids``. ``grammar`` is the
     sequence's structured-output state (None when unconstrained): made, advanced and read
     by ``structured_output`` (a ``RequestGrammar``), only held here; neither the request
     nor the scheduler looks inside, so this module does not import that one.
@@ -67,6 +69,7 @@ class Request:
         self.grammar = grammar
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.num_preemptions = 0
@@ -92,6 +95,13 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def drop_last_tokens(self, num: int) -> None:
+        """Forget the last ``num`` output tokens: a stop string ended the request at an
+        earlier token of the step (speculative decoding appends several at once)."""
+        if num > 0:
+            del self.output_token_ids[-num:]
+            del self.all_token_ids[-num:]
 
     def check_stop(self, max_model_len: int) -> bool:
         """Set a finished status if the last token ends the request (token-level rules).

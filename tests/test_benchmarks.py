@@ -344,7 +344,7 @@ class _FakeRunner:
     @staticmethod
     def step(sched: Scheduler):
         out = sched.schedule()
-        sampled = {r.request_id: 1000 for r, n in zip(out.requests, out.num_scheduled_tokens)
+        sampled = {r.request_id: [1000] for r, n in zip(out.requests, out.num_scheduled_tokens)
                    if r.num_computed_tokens + n == r.num_tokens}
         sched.update_from_output(out, sampled)
         return out

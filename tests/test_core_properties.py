@@ -123,9 +123,9 @@ class World:
                 assert self.slots.get(self.slot(table, pos)) == req.all_token_ids[pos], (
                     f"{req.request_id} reads a wrong token at position {pos}")
             if end == req.num_tokens:
-                sampled[req.request_id] = self.sample(req)
+                sampled[req.request_id] = [self.sample(req)]
                 for child in out.forks.get(req.request_id, ()):
-                    sampled[child.request_id] = self.sample(child)
+                    sampled[child.request_id] = [self.sample(child)]
         for rid in out.forks:
             assert rid in sampled, "forks announced for a prompt that did not complete"
         finished = sched.update_from_output(out, sampled)

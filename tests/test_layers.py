@@ -19,14 +19,15 @@ below it, never one above:
 11. ``quantization``: how a ``Linear`` holds and multiplies its weight.
 12. ``models``: architectures and their layers.
 13. ``sample``: the sampler.
-14. ``distributed``: rank groups and sharding of a model.
-15. ``worker``: one rank's model, KV cache and model runner; builds the model.
-16. ``executor``: where the workers run (uni, mp, ray).
-17. ``engine``: the engines (sync, async, data-parallel replicas) and their processors.
-18. ``entrypoints.openai``: the HTTP server and the dashboard.
-19. ``benchmarks``: benchmark commands (they drive engines and draw the dashboard's charts).
-20. ``entrypoints``: the offline ``LLM`` API and the command line.
-21. ``pagedserve`` itself (``__init__.py``): the public facade, importing from anywhere.
+14. ``spec_decode``: speculative decoding's draft proposers (no model) and rejection sampler.
+15. ``distributed``: rank groups and sharding of a model.
+16. ``worker``: one rank's model, KV cache and model runner; builds the model.
+17. ``executor``: where the workers run (uni, mp, ray).
+18. ``engine``: the engines (sync, async, data-parallel replicas) and their processors.
+19. ``entrypoints.openai``: the HTTP server and the dashboard.
+20. ``benchmarks``: benchmark commands (they drive engines and draw the dashboard's charts).
+21. ``entrypoints``: the offline ``LLM`` API and the command line.
+22. ``pagedserve`` itself (``__init__.py``): the public facade, importing from anywhere.
 
 Imports inside functions count (a lazy import hides a circle, it does not remove it); only
 imports under ``if TYPE_CHECKING:`` are exempt.
@@ -46,8 +47,8 @@ PACKAGE = Path(pagedserve.__file__).parent
 ROOMS = [
     "version", "config", "args", "cpu_ops", "metrics", "sampling_params", "outputs",
     "tokenizer", "detokenizer", "request", "structured_output", "core", "attention",
-    "model_loader", "quantization", "models", "sample", "distributed", "worker", "executor",
-    "engine", "entrypoints.openai", "benchmarks", "entrypoints", "",
+    "model_loader", "quantization", "models", "sample", "spec_decode", "distributed", "worker",
+    "executor", "engine", "entrypoints.openai", "benchmarks", "entrypoints", "",
 ]
 MAX_LINES = 450
 MAX_ENGINE_LINES = 250  # engine/llm_engine.py: schedule -> execute -> update, and requests

@@ -58,9 +58,9 @@ class FakeModel:
             assert 0 < n and end <= req.num_tokens
             assert len(table) * BS >= end  # the table covers every token computed
             if end == req.num_tokens:
-                sampled[req.request_id] = self.token(req)
+                sampled[req.request_id] = [self.token(req)]
                 for child in out.forks.get(req.request_id, ()):
-                    sampled[child.request_id] = self.token(child)
+                    sampled[child.request_id] = [self.token(child)]
         finished = sched.update_from_output(out, sampled)
         sched.kv.check_integrity()
         return out, finished

@@ -105,9 +105,11 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``
-        (plus the prefix-cache hit ``new_computed_blocks``, for a request just admitted).
+        (plus the prefix-cache hit ``new_computed_blocks``, for a request just admitted),
+        and ``num_lookahead_tokens`` slots after those (a draft model writes its K/V there).
 
         A shared, partly filled block about to be written is copied first (copy-on-write;
         the ``(src, dst)`` pair is queued in ``pending_copies``). Returns the ids of newly
@@ -116,7 +118,8 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
-        num_needed = cdiv(num_total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_needed = (cdiv(num_total + num_lookahead_tokens, self.block_size) - len(blocks)
+                      - len(new_computed_blocks))
         # The block receiving the first new token is written in place: it must be ours alone.
         write_index = num_computed // self.block_size
         cow = write_index < len(blocks) and blocks[write_index].ref_cnt > 1
@@ -168,6 +171,17 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
         self.req_num_cached_blocks[rid] = num_full
+
+    def free_excess(self, request: Request) -> None:
+        """Give back the blocks past the request's tokens: slots taken for draft tokens
+        that were rejected (speculative decoding). The table keeps ``cdiv(num_tokens,
+        block_size)`` blocks; none of those freed is in the prefix cache (only blocks full
+        of the request's own tokens are)."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = cdiv(request.num_tokens, self.block_size)
+        if blocks is not None and len(blocks) > keep:
+            self.pool.free_blocks(reversed(blocks[keep:]))
+            del blocks[keep:]
 
     def free(self, request: Request) -> None:
         """Return the request's blocks to the pool, tail first (shared prefixes live longest)."""

@@ -6,6 +6,12 @@ decode token, or the next chunk of a prompt) and then admits waiting requests, w
 ``scheduling="static"``, only while the current batch is still forming). When the pool
 has no block for a running request, the latest-arrived running request is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later.
+
+Speculative decoding changes only how many tokens a running request computes: its last
+token plus its draft tokens (``spec_token_ids``, proposed at the end of the previous step),
+which the step verifies; the rejected drafts' slots are given back afterwards. In a step
+that speculates (``speculate``), each request that samples also gets the slots a draft
+model writes ahead (``SpeculativeConfig.num_lookahead_tokens``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedserve.config import SchedulerConfig
+from pagedserve.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.request import Request, RequestStatus
 
@@ -25,7 +31,10 @@ class SchedulerOutput:
     """What one step computes.
 
     ``requests[i]`` computes ``num_scheduled_tokens[i]`` tokens starting at its
-    ``num_computed_tokens``; ``block_tables[i]`` is its block table for this step.
+    ``num_computed_tokens``; ``block_tables[i]`` is its block table for this step. A
+    request in ``spec_token_ids`` computes its last token followed by those draft tokens
+    (verification). ``speculate``: the requests that sample in this step get draft tokens
+    for the next one.
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -37,6 +46,8 @@ class SchedulerOutput:
     # Samples 1..n-1 of a request: they sample from its logits when its prompt completes
     # in this step, then fork its blocks.
     forks: dict[str, list[Request]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    speculate: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -48,9 +59,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 spec_config: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.spec_config = spec_config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # kept in arrival order: preempt from the tail
         self.requests: dict[str, Request] = {}
@@ -145,15 +158,17 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(speculate=self._speculate())
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
+            num_new = min(request.num_tokens + len(request.spec_token_ids)
+                          - request.num_computed_tokens, budget)
+            lookahead = self._lookahead(request, num_new, out.speculate)
+            while self.kv.allocate_slots(request, num_new, (), lookahead) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
@@ -187,7 +202,8 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            lookahead = self._lookahead(request, num_new + num_cached, out.speculate)
+            if self.kv.allocate_slots(request, num_new, computed_blocks, lookahead) is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -204,11 +220,28 @@ class Scheduler:
             out.requests.append(request)
             out.num_scheduled_tokens.append(num_new)
             out.block_tables.append(self.kv.block_ids(request.request_id))
+            num_spec = request.num_computed_tokens + num_new - request.num_tokens
+            if num_spec > 0:  # the budget may cut a request's drafts short
+                out.spec_token_ids[request.request_id] = request.spec_token_ids[:num_spec]
             forks = self.pending_forks.get(request.request_id)
             if forks and request.num_computed_tokens + num_new == request.num_tokens:
                 out.forks[request.request_id] = list(forks)
         out.blocks_to_copy = self.kv.take_pending_copies()
         return out
+
+    def _speculate(self) -> bool:
+        """Whether this step's sampled requests get drafts: speculation is on and the batch
+        runs fewer than ``disable_by_batch_size`` requests."""
+        spec = self.spec_config
+        return spec is not None and (spec.disable_by_batch_size is None
+                                     or len(self.running) < spec.disable_by_batch_size)
+
+    def _lookahead(self, request: Request, num_new: int, speculate: bool) -> int:
+        """Slots a draft model writes after the ``num_new`` tokens the request computes
+        (counted from its ``num_computed_tokens``): only if it samples in this step."""
+        if not speculate or request.num_computed_tokens + num_new < request.num_tokens:
+            return 0
+        return self.spec_config.num_lookahead_tokens
 
     def _num_seats_taken(self) -> int:
         """Running sequences plus the forks they will spawn when their prompt completes."""
@@ -225,6 +258,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -232,29 +266,48 @@ class Scheduler:
     # -- after the forward pass ---------------------------------------------------------
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
+        self, out: SchedulerOutput, sampled: dict[str, list[int]],
+        drafts: dict[str, list[int]] | None = None,
     ) -> list[Request]:
-        """Advance each scheduled request, append its sampled token, apply token-level stops.
+        """Advance each scheduled request, append its new tokens, apply token-level stops.
 
+        ``sampled[id]`` holds a request's new tokens: its accepted draft tokens, then one
+        sampled token. A token-level stop drops the tokens after it (the list is cut to
+        those appended). ``drafts[id]`` are a request's draft tokens for the next step.
         Returns the requests that finished in this step (their blocks are already free).
         """
         finished = []
         for request, num_new in zip(out.requests, out.num_scheduled_tokens):
-            request.num_computed_tokens += num_new
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue  # a prompt chunk that did not reach the end of the prompt
+            tokens = sampled.get(request.request_id)
+            if tokens is None:  # a prompt chunk that did not reach the end of the prompt
+                request.num_computed_tokens += num_new
+                continue
+            num_rejected = len(out.spec_token_ids.get(request.request_id, ())) + 1 - len(tokens)
+            request.num_computed_tokens += num_new - num_rejected
             forks = out.forks.get(request.request_id, [])
             for child in forks:  # before the parent may finish and free its blocks
                 self._join_fork(request, child)
             self.pending_forks.pop(request.request_id, None)
             for r in (request, *forks):
-                r.append_output_token(sampled[r.request_id])
-                if r.check_stop(self.config.max_model_len):
+                r.spec_token_ids = []
+                if self._append_tokens(r, sampled[r.request_id]):
                     self.running.remove(r)
                     self._release(r)
                     finished.append(r)
+                else:
+                    self.kv.free_excess(r)
+                    r.spec_token_ids = (drafts or {}).get(r.request_id, [])
         return finished
+
+    def _append_tokens(self, request: Request, tokens: list[int]) -> bool:
+        """Append ``tokens`` until one stops the request (True); those after it are dropped
+        from ``tokens`` too."""
+        for i, token in enumerate(tokens):
+            request.append_output_token(token)
+            if request.check_stop(self.config.max_model_len):
+                del tokens[i + 1:]
+                return True
+        return False
 
     def _join_fork(self, parent: Request, child: Request) -> None:
         self.kv.fork(parent, child)

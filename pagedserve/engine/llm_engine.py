@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
 
 from pagedserve.args import EngineArgs
-from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.distributed.config import ParallelConfig
@@ -22,6 +22,7 @@ from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
 from pagedserve.engine.timeline import StepTimeline
 from pagedserve.executor import create_executor
+from pagedserve.metrics import SpecDecodingStats
 from pagedserve.model_loader.files import resolve_model_path
 from pagedserve.model_loader.model_config import ModelConfig
 from pagedserve.models.registry import get_model_class
@@ -46,6 +47,11 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs) -> None:
+        self.spec_config = spec = SpeculativeConfig.from_dict(args.speculative_config)
+        if spec is not None:
+            args = replace(args, quantization=spec.target_quantization(
+                args.quantization, args.tensor_parallel_size))
+        self.spec_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
         self.args = args
         self.model_config = config = ModelConfig.from_args(args)
         self.model_path, self.hf_config = config.model_path, config.hf_config
@@ -90,7 +96,7 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, args.block_size,
                                                args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, spec)
         self.output_processor = OutputProcessor(self.tokenizer)
         # The last steps, for the dashboard; a benchmark may swap in an unbounded one.
         self.timeline = StepTimeline()
@@ -183,7 +189,10 @@ class LLMEngine:
             # Blocks published to the prefix cache in this step were never filled.
             self.kv_cache_manager.pool.reset_prefix_cache()
             raise
-        self.scheduler.update_from_output(sched, out.sampled)
+        if self.spec_stats is not None:
+            for rid, drafts in sched.spec_token_ids.items():  # before stops cut the tokens
+                self.spec_stats.observe(len(drafts), len(out.sampled[rid]) - 1)
+        self.scheduler.update_from_output(sched, out.sampled, out.spec_token_ids)
         forked = [child for children in sched.forks.values() for child in children]
         self.structured_output.advance(sched.requests + forked, out.sampled)
         touched, stopped = self.output_processor.process(sched.requests + forked, out)
@@ -208,6 +217,10 @@ class LLMEngine:
         info = {k: str(v) for k, v in asdict(self.cache_config).items()}
         info.update(num_gpu_blocks=str(self.num_blocks), cache_dtype=self.args.kv_cache_dtype)
         return info
+
+    def spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """Speculative decoding's cumulative counts (a copy), or None without it."""
+        return None if self.spec_stats is None else self.spec_stats.copy()
 
     def kv_cache_stats(self) -> KVCacheStats:
         num_tokens = sum(r.num_computed_tokens for r in self.scheduler.running)

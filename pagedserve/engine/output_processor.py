@@ -93,24 +93,29 @@ class OutputProcessor:
                 continue
             if request.request_id in out.prompt_logprobs:
                 self._add_prompt_logprobs(parent, *out.prompt_logprobs[request.request_id])
-            token = out.sampled.get(request.request_id)
-            if token is None:
+            tokens = out.sampled.get(request.request_id)
+            if tokens is None:
                 continue
             sample = parent.samples[self._index(parent, request)]
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             parent.metrics.last_token_time = now
-            if request.request_id in out.logprobs:
-                self._add_logprobs(sample, out.logprobs[request.request_id])
-            if sample.detokenizer is not None and self._detokenize(sample.detokenizer, request,
-                                                                   token):
-                stopped.append(request)
+            num_kept = len(tokens)
+            if sample.detokenizer is not None:
+                num_kept, stop = self._detokenize(sample.detokenizer, request, tokens)
+                if stop:
+                    stopped.append(request)
+            for lp in out.logprobs.get(request.request_id, [])[:num_kept]:
+                self._add_logprobs(sample, lp)
             touched[parent.request_id] = parent
         return list(touched.values()), stopped
 
     @staticmethod
-    def _detokenize(detok: IncrementalDetokenizer, request: Request, token: int) -> bool:
-        """Add ``token``'s text; True if a stop string ends the (still running) request.
+    def _detokenize(detok: IncrementalDetokenizer, request: Request, tokens: list[int]
+                    ) -> tuple[int, bool]:
+        """Add the text of the request's new ``tokens`` one by one. Returns how many it
+        keeps (a stop string's token is the last; the request drops those after it), and
+        whether a stop string ends the (still running) request.
 
         The scheduler has already applied the token-level rules: a request it stopped on
         EOS or a stop token id gets no text from that token (vLLM's ``stop_terminated``,
@@ -118,16 +123,21 @@ class OutputProcessor:
         flushed. As vLLM, a stop string found in the last token's text makes the finish
         reason ``stop`` even when ``max_tokens`` was reached by the same token.
         """
-        stop = detok.update([token], request.status == RequestStatus.FINISHED_STOPPED)
-        if stop is None and request.is_finished:
-            stop = detok.finish()
-        if stop is None:
-            return False
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            stop = detok.update([token], last and request.status == RequestStatus.FINISHED_STOPPED)
+            if stop is None and last and request.is_finished:
+                stop = detok.finish()
+            if stop is not None:
+                break
+        else:
+            return len(tokens), False
         request.stop_reason = stop
+        request.drop_last_tokens(len(tokens) - 1 - i)
         if not request.is_finished:
-            return True
+            return i + 1, True
         request.status = RequestStatus.FINISHED_STOPPED  # its blocks are already free
-        return False
+        return i + 1, False
 
     @staticmethod
     def _index(parent: ParentState, request: Request) -> int:

@@ -238,6 +238,7 @@ class RequestTracker:
                 prefix_cache_queries=kv.prefix_cache_queries,
                 prefix_cache_hits=kv.prefix_cache_hits,
                 num_preemptions=sched.num_preemptions,
+                spec_decoding=self.engine.spec_decoding_stats(),
             ), stats)
         except Exception:  # pragma: no cover - metrics never take the engine down
             logger.exception("recording metrics failed")

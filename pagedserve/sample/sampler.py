@@ -251,26 +251,34 @@ class Sampler:
 
         Raises ``ValueError`` if ``logits`` is not [len(batch), batch.vocab_size].
         """
+        raw, sampled = self.sample(logits, batch)
+        return self.logprobs(raw, sampled, batch.max_num_logprobs)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 logits ``[B, V]`` and one sampled token per row ``[B]`` int64, without
+        logprobs (``logprobs`` adds them). Raises ``ValueError`` as ``__call__``."""
         if logits.dim() != 2 or logits.shape != (len(batch.seeds), batch.vocab_size):
             raise ValueError(f"logits must be [{len(batch.seeds)}, {batch.vocab_size}]; "
                              f"got {list(logits.shape)}")
         raw = logits.float()
         x = self.process_logits(raw, batch)
-        sampled = x.argmax(dim=-1) if batch.all_greedy else self._sample(x, batch)
-        if batch.max_num_logprobs is None:  # the common case: no softmax over the vocabulary
-            return SamplerOutput(sampled, None, None, None, None)
+        return raw, x.argmax(dim=-1) if batch.all_greedy else self._sample(x, batch)
 
+    @staticmethod
+    def logprobs(raw: torch.Tensor, token_ids: torch.Tensor, max_num_logprobs: int | None
+                 ) -> SamplerOutput:
+        """The ``SamplerOutput`` of ``token_ids`` [B] chosen from float32 ``raw`` [B, V]:
+        their raw logprobs and ranks and the top ``max_num_logprobs`` (None: no logprobs,
+        and no softmax over the vocabulary)."""
+        if max_num_logprobs is None:
+            return SamplerOutput(token_ids, None, None, None, None)
         lse = logsumexp_rows(raw)
-        topk_ids = topk_lp = None
-        if batch.max_num_logprobs:
-            top_vals, topk_ids = raw.topk(batch.max_num_logprobs, dim=-1)
-            topk_lp = top_vals - lse[:, None]
-        elif batch.max_num_logprobs == 0:
-            topk_ids = torch.empty(raw.shape[0], 0, dtype=torch.int64, device=raw.device)
-            topk_lp = torch.empty(raw.shape[0], 0, dtype=torch.float32, device=raw.device)
-        sampled_raw = raw.gather(1, sampled[:, None])
-        ranks = (raw >= sampled_raw).sum(dim=-1)
-        return SamplerOutput(sampled, sampled_raw[:, 0] - lse, topk_ids, topk_lp, ranks)
+        top_vals, topk_ids = raw.topk(max_num_logprobs, dim=-1)
+        chosen_raw = raw.gather(1, token_ids[:, None])
+        ranks = (raw >= chosen_raw).sum(dim=-1)
+        return SamplerOutput(token_ids, chosen_raw[:, 0] - lse, topk_ids, top_vals - lse[:, None],
+                             ranks)
 
     @staticmethod
     def process_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -308,9 +316,9 @@ class Sampler:
         return x
 
     @staticmethod
-    def _sample(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Temperature, min_p, top_k, top_p, then the exponential race; argmax for greedy."""
-        greedy_ids = None if batch.all_random else x.argmax(dim=-1)
+    def sampling_logits(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Processed logits [B, V] -> the logits a random row samples from (their softmax
+        is its distribution): / temperature, then min_p, top_k, top_p (-inf outside)."""
         x = x / batch.temperature[:, None]
         if not batch.no_min_p:
             # probs < min_p * max(probs)  <=>  x < max(x) + log(min_p): no normalizer needed
@@ -319,6 +327,13 @@ class Sampler:
         if not (batch.no_top_k and batch.no_top_p):
             x = _top_k_top_p(x, None if batch.no_top_k else batch.top_k,
                              None if batch.no_top_p else batch.top_p)
+        return x
+
+    @staticmethod
+    def _sample(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Temperature, min_p, top_k, top_p, then the exponential race; argmax for greedy."""
+        greedy_ids = None if batch.all_random else x.argmax(dim=-1)
+        x = Sampler.sampling_logits(x, batch)
         log_q = _exponential_noise(x, batch).log_()
         sampled = (x - log_q).argmax(dim=-1)
         if greedy_ids is not None:

@@ -87,13 +87,15 @@ class StructuredOutputManager:
         return not bool(rest.any())
 
     @staticmethod
-    def advance(requests: list[Request], sampled: dict[str, int]) -> None:
-        """Advance the grammar of each request that got a token this step (after the
-        scheduler appended it). Raises ``RuntimeError`` on a token the grammar rejects."""
+    def advance(requests: list[Request], sampled: dict[str, list[int]]) -> None:
+        """Advance the grammar of each request by the tokens it got this step (after the
+        scheduler appended them). Raises ``RuntimeError`` on a token the grammar rejects."""
         for r in requests:
-            token = sampled.get(r.request_id)
-            if token is not None and r.grammar is not None:
-                r.grammar.accept(token, r.num_output_tokens)
+            tokens = sampled.get(r.request_id, ())
+            if r.grammar is not None:
+                first = r.num_output_tokens - len(tokens) + 1
+                for i, token in enumerate(tokens):
+                    r.grammar.accept(token, first + i)
 
     def shutdown(self) -> None:
         if self.cache is not None:

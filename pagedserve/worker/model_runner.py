@@ -20,6 +20,8 @@ from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.request import Request
 from pagedserve.sample.sampler import Sampler, SamplingBatch, logsumexp_rows
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.drafter import Drafter
+from pagedserve.spec_decode.rejection import accept_one_hot, accept_sampled
 from pagedserve.structured_output import GrammarBitmask
 from pagedserve.worker.cuda_graphs import DecodeGraphs
 
@@ -37,12 +39,14 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per request id: the sampled token, its logprobs (if asked) and prompt logprobs
-    ``(first_position, [TokenLogprobs of prompt tokens first_position+1 ...])``."""
+    """Per request id: the new tokens (accepted drafts, then one sampled token), their
+    logprobs (if asked), prompt logprobs ``(first_position, [TokenLogprobs of prompt tokens
+    first_position+1 ...])`` and the draft tokens proposed for the next step."""
 
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -62,6 +66,9 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.grammar_bitmask = grammar_bitmask or (lambda requests: None)
         self.sampler = Sampler()
+        self.drafter: Drafter | None = None  # set by the worker (speculative decoding)
+        # A draft model's own KV cache: the same block ids, so block copies copy it too.
+        self.draft_kv_caches: list[torch.Tensor] = []
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -69,25 +76,43 @@ class ModelRunner:
         requests = [sched.requests[i] for i in order]
         query_lens = [sched.num_scheduled_tokens[i] for i in order]
         tables = [sched.block_tables[i] for i in order]
-        input_ids, positions, meta = self._prepare_inputs(requests, query_lens, tables)
+        drafts = [sched.spec_token_ids.get(r.request_id, []) for r in requests]
+        starts = [r.num_computed_tokens for r in requests]
+        new_tokens = [(r.all_token_ids[c:] + d)[:n]
+                      for r, c, n, d in zip(requests, starts, query_lens, drafts)]
+        step = self.prepare_inputs(new_tokens, starts, tables)
         self.copy_blocks(sched.blocks_to_copy)
 
-        hidden = self._forward(input_ids, positions, meta)
+        hidden = self._forward(*step)
+        if self.drafter is not None:
+            self.drafter.after_forward(self, step)
 
         out = ModelRunnerOutput()
-        ends = meta.query_start_loc[1:].tolist()
-        sampling = [
-            i for i, r in enumerate(requests)
-            if r.num_computed_tokens + query_lens[i] == r.num_tokens
-        ]
+        ends = step[2].query_start_loc[1:].tolist()
         for i, r in enumerate(requests):
             if r.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs(r, query_lens[i], hidden[ends[i] - query_lens[i] : ends[i]], out)
-        if sampling:
-            # A request's forked samples draw from the same logits row as it does.
-            rows = [(i, r) for i in sampling for r in (requests[i], *sched.forks.get(requests[i].request_id, ()))]
-            logits = self.model.compute_logits(hidden[[ends[i] - 1 for i, _ in rows]])
-            self._sample([r for _, r in rows], logits, out)
+        sampling = [i for i, r in enumerate(requests)
+                    if starts[i] + query_lens[i] == r.num_tokens + len(drafts[i])]
+        if not sampling:
+            return out
+        # One row per token to sample: a verifying request's row j follows its first j
+        # drafts; a request's forked samples draw from its row.
+        rows, hidden_rows = [], []
+        for i in sampling:
+            d = drafts[i]
+            for j in range(len(d) + 1):
+                rows.append((requests[i], d[:j]))
+                hidden_rows.append(ends[i] - len(d) - 1 + j)
+            for child in sched.forks.get(requests[i].request_id, ()):
+                rows.append((child, []))
+                hidden_rows.append(ends[i] - 1)
+        self._sample(rows, self.model.compute_logits(hidden[hidden_rows]), out)
+        if self.drafter is not None and sched.speculate:
+            sampled = [requests[i] for i in sampling if requests[i].request_id not in sched.forks]
+            out.spec_token_ids = self.drafter.propose(
+                self, step, sampled, out.sampled, dict(zip(
+                    (r.request_id for r in sched.requests), sched.block_tables)))
         return out
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -105,7 +130,7 @@ class ModelRunner:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for cache in self.kv_caches:
+        for cache in self.kv_caches + self.draft_kv_caches:
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
@@ -123,30 +148,34 @@ class ModelRunner:
             num_blocks = -(-n // self.block_size)
             tables.append(list(range(next_block, next_block + num_blocks)))
             next_block += num_blocks
-        input_ids, positions, meta = self._prepare_inputs(requests, lens, tables)
+        input_ids, positions, meta = self.prepare_inputs([[0] * n for n in lens],
+                                                         [0] * len(lens), tables)
         hidden = self.model(input_ids, positions, kv_caches, meta)
         logits = self.model.compute_logits(hidden[: min(max_num_seqs, num_tokens)])
         torch.sort(logits, dim=-1)
 
-    def _prepare_inputs(self, requests: list[Request], query_lens: list[int],
-                        tables: list[list[int]]):
+    def prepare_inputs(self, new_tokens: list[list[int]], starts: list[int],
+                       tables: list[list[int]]
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The flat forward pass of sequences whose ``new_tokens[i]`` start at position
+        ``starts[i]`` (the tokens before have their K/V in the blocks of ``tables[i]``):
+        ``input_ids`` and ``positions`` ``[num_tokens]`` and the attention metadata."""
         dev = self.device
-        starts = [r.num_computed_tokens for r in requests]
-        token_ids = [t for r, s, n in zip(requests, starts, query_lens)
-                     for t in r.all_token_ids[s : s + n]]
+        query_lens = [len(t) for t in new_tokens]
+        token_ids = [t for tokens in new_tokens for t in tokens]
         seq_lens = [s + n for s, n in zip(starts, query_lens)]
         num_tokens = len(token_ids)
 
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int64)
+        query_start_loc = torch.zeros(len(tables) + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        seq_idx = torch.repeat_interleave(torch.arange(len(requests)), q_lens)
+        seq_idx = torch.repeat_interleave(torch.arange(len(tables)), q_lens)
         # position of token t = its sequence's start + (t - first row of that sequence)
         offsets = torch.tensor(starts, dtype=torch.int64) - query_start_loc[:-1]
         positions = torch.arange(num_tokens, dtype=torch.int64) + offsets[seq_idx]
 
         max_blocks = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(requests), max_blocks, dtype=torch.int64)
+        block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int64)
         for i, t in enumerate(tables):
             block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
         bs = self.block_size
@@ -165,26 +194,62 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
         return input_ids, positions.to(dev), meta
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _sample(self, rows: list[tuple[Request, list[int]]], logits: torch.Tensor,
+                out: ModelRunnerOutput) -> None:
+        """Sample every row (``(request, its drafts before the row)``; a request's rows are
+        adjacent), verify the drafts (``spec_decode/rejection.py``) and record each
+        request's new tokens with their logprobs, as if decoded one at a time."""
+        requests = [r for r, _ in rows]
         batch = SamplingBatch.build(
             [r.sampling_params for r in requests],
             [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
+            [r.output_token_ids + drafts for r, drafts in rows],
             self.eos_token_id, self.vocab_size, logits.device, self.grammar_bitmask(requests),
         )
-        result = self.sampler(logits, batch)
-        token_ids = result.sampled_token_ids.tolist()
-        for i, r in enumerate(requests):
-            out.sampled[r.request_id] = token_ids[i]
+        raw, targets = self.sampler.sample(logits, batch)
+        chosen = targets.tolist()  # becomes the token each row contributes
+        spans = _spans(requests)
+        draft_probs = self._draft_probs(spans, rows)
+        probs = None if not draft_probs else Sampler.sampling_logits(
+            Sampler.process_logits(raw, batch), batch).softmax(-1)
+        for request, start, end in spans:
+            drafts = rows[end - 1][1]
+            q = draft_probs.get(request.request_id)
+            if q is None:
+                tokens = accept_one_hot(drafts, chosen[start:end])
+            else:
+                tokens = accept_sampled(drafts, probs[start:end], q, chosen[end - 1],
+                                        request.sampling_params.seed, request.num_output_tokens)
+            chosen[start : start + len(tokens)] = tokens
+            out.sampled[request.request_id] = tokens
+        result = self.sampler.logprobs(raw, torch.tensor(chosen, device=raw.device),
+                                       batch.max_num_logprobs)
         if result.topk_token_ids is None:
             return
         lps, ranks = result.sampled_logprobs.tolist(), result.sampled_ranks.tolist()
         top_ids, top_lps = result.topk_token_ids.tolist(), result.topk_logprobs.tolist()
-        for i, r in enumerate(requests):
-            k = r.sampling_params.logprobs
+        for request, start, _ in spans:
+            k = request.sampling_params.logprobs
             if k is not None:
-                out.logprobs[r.request_id] = TokenLogprobs(
-                    token_ids[i], lps[i], ranks[i], top_ids[i][:k], top_lps[i][:k])
+                out.logprobs[request.request_id] = [
+                    TokenLogprobs(t, lps[start + j], ranks[start + j], top_ids[start + j][:k],
+                                  top_lps[start + j][:k])
+                    for j, t in enumerate(out.sampled[request.request_id])]
+
+    def _draft_probs(self, spans: list[tuple[Request, int, int]],
+                     rows: list[tuple[Request, list[int]]]) -> dict[str, torch.Tensor]:
+        """Request id -> ``[s, V]`` distributions its ``s`` drafts were sampled from, for
+        the sampling requests whose drafter drew them so (the others verify one-hot)."""
+        if self.drafter is None:
+            return {}
+        found = {}
+        for request, _, end in spans:
+            num_drafts = len(rows[end - 1][1])
+            if num_drafts and not request.sampling_params.is_greedy:
+                q = self.drafter.draft_probs(request.request_id, num_drafts)
+                if q is not None:
+                    found[request.request_id] = q
+        return found
 
     def _prompt_logprobs(self, request: Request, num_new: int, hidden: torch.Tensor,
                          out: ModelRunnerOutput) -> None:
@@ -207,3 +272,14 @@ class ModelRunner:
                 int(targets[j]), float(chosen[j]), int(ranks[j]),
                 top.indices[j].tolist() if top else [], top.values[j].tolist() if top else []))
         out.prompt_logprobs[request.request_id] = (start, entries)
+
+
+def _spans(requests: list[Request]) -> list[tuple[Request, int, int]]:
+    """``(request, start, end)`` of each run of rows of one request."""
+    spans = []
+    for i, r in enumerate(requests):
+        if spans and spans[-1][0] is r:
+            spans[-1] = (r, spans[-1][1], i + 1)
+        else:
+            spans.append((r, i, i + 1))
+    return spans

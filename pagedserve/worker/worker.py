@@ -31,12 +31,13 @@ from torch import nn
 
 from pagedserve.args import EngineArgs
 from pagedserve.attention import get_attention_backend
-from pagedserve.config import CacheConfig, SchedulerConfig, resolve_device
+from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_device
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.distributed.group import RankGroup
 from pagedserve.distributed.sharding import shard_config
 from pagedserve.model_loader.model_config import ModelConfig
 from pagedserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from pagedserve.worker.draft_runner import build_drafter
 from pagedserve.worker.kv_cache import (
     MemoryProfile,
     allocate_kv_caches,
@@ -116,6 +117,13 @@ class Worker:
         self.model_runner = hooks.runner_class(
             self.model, args.block_size, config.device, config.hf_config.vocab_size,
             hooks.eos_token_id, hooks.grammar_bitmask)
+        # Speculative decoding: rank 0 drafts (the engine allows model drafts on one rank).
+        self.draft_kv_config = None  # a draft model's own KV cache, in the same blocks
+        spec = SpeculativeConfig.from_dict(args.speculative_config)
+        if spec is not None and (group is None or group.rank == 0):
+            self.model_runner.drafter, self.draft_kv_config = build_drafter(
+                spec, args, config, self.attention_backend, hooks.eos_token_id,
+                hooks.tokenizer)
         self.memory_profile: MemoryProfile | None = None  # set by determine_num_blocks
 
     def determine_num_blocks(self, cache: CacheConfig, sched: SchedulerConfig) -> int:
@@ -132,6 +140,10 @@ class Worker:
         self.model_runner.kv_caches = allocate_kv_caches(
             self.kv_config, num_blocks, self.args.block_size, config.kv_cache_dtype,
             config.device)
+        if self.draft_kv_config is not None:
+            self.model_runner.drafter.kv_caches = self.model_runner.draft_kv_caches = (
+                allocate_kv_caches(self.draft_kv_config, num_blocks, self.args.block_size,
+                                   config.kv_cache_dtype, config.device))
         self.model_runner.decode_graphs = self._capture_decode_graphs(max_num_seqs)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -143,8 +155,11 @@ class Worker:
         default and tensor parallelism use a fixed size that needs no profiling (see
         ``kv_cache.py``)."""
         config = self.model_config
-        per_block = bytes_per_block(self.kv_config, cache.block_size, config.kv_cache_dtype)
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        per_block = sum(bytes_per_block(c, cache.block_size, config.kv_cache_dtype)
+                        for c in (self.kv_config, self.draft_kv_config) if c is not None)
+        drafter = self.model_runner.drafter
+        models = [self.model, *([] if drafter is None or drafter.model is None else [drafter.model])]
+        weights = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
         ranks = 1 if self.group is None else self.group.world_size
         fixed = fixed_kv_budget(cache, per_block, config.device, ranks)
         if fixed is not None:
