@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from pagedserve.args import EngineArgs
 from pagedserve.benchmarks.datasets import random_samples
+from pagedserve.benchmarks.spec_stats import print_spec_decode_report, spec_decode_report
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs
@@ -102,6 +103,8 @@ def print_report(r: dict) -> None:
     print(f"Avg latency: {r['avg_latency']:.4f} seconds")
     for p, v in r["percentiles"].items():
         print(f"{p}% percentile latency: {v:.4f} seconds")
+    print(f"Output tokens/s: {r['output_tokens_per_second']:.1f} (at the median latency)")
+    print_spec_decode_report(r.get("spec_decoding"))
     print(f"Achieved: {r['achieved_gflops']:.1f} GFLOP/s of model matmuls")
     if "gemm_gflops" in r:
         print(f"GEMM rate (torch.mm 2048^3, {r['dtype']}): {r['gemm_gflops']:.1f} GFLOP/s; "
@@ -126,11 +129,17 @@ def main(args: argparse.Namespace) -> int:
         args.batch_size, args.input_len, args.output_len, 0.0, engine.hf_config.vocab_size,
         args.seed + it, special)] for it in range(total)]
     latencies = []
+    spec_start = engine.spec_decoding_stats()
     for it in tqdm(range(total), desc="Iterations", disable=args.disable_tqdm):
+        if it == args.num_iters_warmup:
+            spec_start = engine.spec_decoding_stats()
         seconds = run_once(engine, batches[it], args.output_len, f"it{it}")
         if it >= args.num_iters_warmup:
             latencies.append(seconds)
     result = summarize(latencies)
+    result["output_tokens_per_second"] = (args.batch_size * args.output_len
+                                          / result["percentiles"]["50"])
+    result["spec_decoding"] = spec_decode_report(spec_start, engine.spec_decoding_stats())
     flops = iteration_flops(engine, args.batch_size, args.input_len, args.output_len)
     result["achieved_gflops"] = flops / result["percentiles"]["50"] / 1e9
     if engine.device == "cpu":

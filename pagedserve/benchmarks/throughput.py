@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from pagedserve.args import EngineArgs
 from pagedserve.benchmarks import datasets
+from pagedserve.benchmarks.spec_stats import print_spec_decode_report, spec_decode_report
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs
@@ -65,6 +66,7 @@ def run(engine: LLMEngine, samples: list[datasets.SampleRequest], detokenize: bo
     decode (one token per running sequence): the part a per-token cost such as a grammar
     bitmask adds to."""
     engine.kv_cache_manager.pool.reset_prefix_cache()
+    spec_start = engine.spec_decoding_stats()
     start = time.perf_counter()
     for i, s in enumerate(samples):
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=s.expected_output_len,
@@ -107,6 +109,7 @@ def run(engine: LLMEngine, samples: list[datasets.SampleRequest], detokenize: bo
         "num_preemptions": engine.scheduler.num_preemptions,
         "decode_step_time": sum(decode_times) / len(decode_times) if decode_times else None,
         "num_decode_steps": len(decode_times),
+        "spec_decoding": spec_decode_report(spec_start, engine.spec_decoding_stats()),
     }
 
 
@@ -129,6 +132,7 @@ def print_report(r: dict) -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    print_spec_decode_report(r.get("spec_decoding"))
 
 
 def compile_times(engine: LLMEngine, spec: StructuredOutputsParams) -> dict:

@@ -26,6 +26,7 @@ import numpy as np
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.timeline import LatencyWindow
+from pagedserve.metrics import SpecDecodingStats
 from pagedserve.request import Request
 
 if TYPE_CHECKING:
@@ -110,6 +111,13 @@ def latency_percentiles(latency: LatencyWindow | None) -> dict:
     return {} if latency is None else {"window": latency.seconds, **latency.percentiles()}
 
 
+def spec_decoding(stats: SpecDecodingStats | None) -> dict | None:
+    """The snapshot's ``spec_decoding``: the cumulative counts and the acceptance rate
+    (accepted / verified draft tokens; None before any draft), or None without
+    speculative decoding."""
+    return None if stats is None else {**asdict(stats), "acceptance_rate": stats.acceptance_rate}
+
+
 def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> dict:
     """The engine's state now, JSON-ready (call between steps, on the engine thread).
 
@@ -119,8 +127,8 @@ def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> di
     by the pool itself), ``running`` / ``waiting`` (request rows: ids and counts, no text;
     ``age`` in seconds), ``steps`` (the step timeline as columns, oldest first; ``ago`` in
     seconds before now, ``duration`` in seconds) and ``latency`` (TTFT / TPOT / end-to-end
-    percentiles in seconds over ``latency``'s window; empty without one) and
-    ``snapshot_seconds`` (the engine thread's time spent taking it).
+    percentiles in seconds over ``latency``'s window; empty without one),
+    ``spec_decoding`` (``spec_decoding()``) and ``snapshot_seconds`` (the engine thread's time spent taking it).
     """
     sched, kv = engine.scheduler, engine.kv_cache_manager
     start = time.perf_counter()
@@ -148,6 +156,7 @@ def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> di
         "waiting": [_request_row(r, tables, now) for r in sched.waiting_requests()],
         "steps": steps,
         "latency": latency_percentiles(latency),
+        "spec_decoding": spec_decoding(engine.spec_decoding_stats()),
     }
     snapshot["snapshot_seconds"] = time.perf_counter() - start  # what it cost the engine
     return snapshot
@@ -170,5 +179,16 @@ def merge_snapshots(snapshots: list[dict]) -> dict:
                else sum(s["kv_cache_stats"][name] for s in snapshots))
         for name, value in snapshots[0]["kv_cache_stats"].items()}
     merged["step"] = sum(s["step"] for s in snapshots)
+    specs = [s["spec_decoding"] for s in snapshots if s.get("spec_decoding")]
+    if specs:
+        total = SpecDecodingStats(specs[0]["num_spec_tokens"])
+        for spec in specs:
+            total.num_drafts += spec["num_drafts"]
+            total.num_draft_tokens += spec["num_draft_tokens"]
+            total.num_accepted_tokens += spec["num_accepted_tokens"]
+            total.num_accepted_tokens_per_pos = [
+                a + b for a, b in zip(total.num_accepted_tokens_per_pos,
+                                      spec["num_accepted_tokens_per_pos"])]
+        merged["spec_decoding"] = spec_decoding(total)
     merged["snapshot_seconds"] = max(s["snapshot_seconds"] for s in snapshots)
     return merged

@@ -104,6 +104,7 @@ function render(snap) {
   renderRequests("waiting", snap.waiting);
   renderSteps(snap.steps);
   renderLatency(snap.latency);
+  renderSpecDecoding(snap.spec_decoding);
   document.body.dataset.step = snap.step;
 }
 
@@ -280,6 +281,19 @@ function renderLatency(latency) {
     return `<tr data-metric="${k}"><td>${label}</td><td>${row.count}</td>` +
       `<td>${ms(row.p50)}</td><td>${ms(row.p90)}</td><td>${ms(row.p99)}</td></tr>`;
   }).join("");
+}
+
+function renderSpecDecoding(spec) {
+  // Speculative decoding's acceptance since the server started (absent without it).
+  const el = $("spec-decoding");
+  el.hidden = !spec;
+  if (!spec) return;
+  const rate = spec.acceptance_rate === null ? "–" : (100 * spec.acceptance_rate).toFixed(1) + "%";
+  const perPos = spec.num_accepted_tokens_per_pos.map((n) =>
+    spec.num_drafts ? (100 * n / spec.num_drafts).toFixed(0) + "%" : "–").join(", ");
+  el.innerHTML = `Speculative decoding: acceptance rate <b data-spec="rate">${rate}</b> ` +
+    `(${spec.num_accepted_tokens} of ${spec.num_draft_tokens} draft tokens, ` +
+    `${spec.num_drafts} drafts); accepted by position ${perPos}`;
 }
 
 // -- start -------------------------------------------------------------------------------
