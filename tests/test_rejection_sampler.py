@@ -109,7 +109,7 @@ RESIDUAL1 = [0.0, 0.5, 0.0, 0.0, 0.5, 0.0]  # 0, .20, 0, 0, .20, 0; / .40
 P2 = [0.10, 0.10, 0.10, 0.20, 0.20, 0.30]  # the bonus row of s = 2 (and row 1 of s = 1)
 TARGET = torch.tensor([P0, P1, P2])
 DRAFT = torch.tensor([Q0, Q1])
-N = 20_000
+N = 15_000
 POSITION = 7
 
 
@@ -372,7 +372,7 @@ def test_e2e_top_k_temperature(e2e):
     the target's top 4 (p = 0 < q) are always rejected; the output is the target's still."""
     from pagedserve import SamplingParams
 
-    llm, n = e2e["llm"], NUM_REQUESTS // 2
+    llm, n = e2e["llm"], NUM_REQUESTS // 3
     params = [SamplingParams(temperature=0.8, top_k=4, max_tokens=MAX_TOKENS, ignore_eos=True,
                              seed=10_000 + i) for i in range(n)]
     before = llm.engine.spec_decoding_stats()
