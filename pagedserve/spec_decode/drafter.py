@@ -3,8 +3,9 @@ drafter. The model drafters (``self``, ``draft_model``) run a model, so they liv
 worker (``worker/draft_runner.py``).
 
 A drafter proposes at the end of a step, for the requests that sampled in it; the next
-step verifies the drafts (``rejection.py``). Requests with a structured-output grammar get
-no drafts: their tokens are checked against the grammar one at a time.
+step verifies the drafts (``rejection.py``). Drafts are proposed without looking at a
+request's structured-output grammar: each verification row is masked by the grammar's
+state after the drafts before it, so a draft the grammar rejects is never accepted.
 """
 
 from __future__ import annotations
@@ -42,9 +43,7 @@ class Drafter(Protocol):
 def max_drafts(request: Request, num_new: int, k: int, max_model_len: int) -> int:
     """How many drafts ``request`` may verify next step once its ``num_new`` tokens of this
     step are appended: at most ``k``, and with the bonus token it must stay within
-    ``max_tokens`` and ``max_model_len``; 0 for a request with a grammar."""
-    if request.grammar is not None:
-        return 0
+    ``max_tokens`` and ``max_model_len``."""
     num_tokens = request.num_tokens + num_new
     num_output = request.num_output_tokens + num_new
     return max(0, min(k, max_model_len - num_tokens - 1,

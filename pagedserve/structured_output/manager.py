@@ -63,21 +63,24 @@ class StructuredOutputManager:
         compiled = self.cache.get(spec)
         return [RequestGrammar(compiled, self.stop_token_ids) for _ in range(n)]
 
-    def grammar_bitmask(self, requests: list[Request]) -> GrammarBitmask | None:
-        """The bitmask of the rows (``requests[i]`` = row i) that have a grammar, or None
-        when none has: unconstrained batches pay nothing."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if not rows:
+    def grammar_bitmask(self, rows: list[tuple[Request, list[int]]]) -> GrammarBitmask | None:
+        """The bitmask of the rows that have a grammar (row i samples ``rows[i][0]``'s next
+        token after its draft tokens ``rows[i][1]``), or None when none has:
+        unconstrained batches pay nothing."""
+        constrained = [i for i, (r, _) in enumerate(rows) if r.grammar is not None]
+        if not constrained:
             return None
-        bitmask = torch.full((len(rows), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        bitmask = torch.full((len(constrained), bitmask_width(self.vocab_size)), -1,
+                             dtype=torch.int32)
         stop_only = []
-        for j, i in enumerate(rows):
-            request = requests[i]
-            request.grammar.fill_bitmask(bitmask, j)
+        for j, i in enumerate(constrained):
+            request, drafts = rows[i]
+            request.grammar.fill_bitmask(bitmask, j, drafts)
             # Only where min_tokens is still masking stop tokens does it matter.
-            active = request.num_output_tokens < request.sampling_params.min_tokens
+            num_output = request.num_output_tokens + len(drafts)
+            active = num_output < request.sampling_params.min_tokens
             stop_only.append(active and self._only_stop_tokens(bitmask[j]))
-        return GrammarBitmask(torch.tensor(rows, dtype=torch.int64), bitmask, stop_only)
+        return GrammarBitmask(torch.tensor(constrained, dtype=torch.int64), bitmask, stop_only)
 
     def _only_stop_tokens(self, row: torch.Tensor) -> bool:
         """True if ``row`` (one bitmask row) allows no token but stop tokens."""

@@ -36,17 +36,28 @@ class RequestGrammar:
         """True once a stop token was accepted (the grammar is complete)."""
         return self._matcher is not None and self._matcher.is_terminated()
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, drafts: list[int] = ()) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (bit ``t % 32`` of word
-        ``t // 32`` set = token ``t`` allowed). After the stop token (a request with
-        ``ignore_eos`` or ``min_tokens`` goes on), only the stop tokens stay allowed: the
-        output remains what the grammar accepted, and no row is left with nothing."""
+        ``t // 32`` set = token ``t`` allowed); with ``drafts``, those allowed after them
+        (speculative decoding: the matcher takes them, then rolls back). After the stop
+        token (a request with ``ignore_eos`` or ``min_tokens`` goes on), only the stop
+        tokens stay allowed: the output remains what the grammar accepted, and no row is
+        left with nothing. Where the grammar rejects a draft, the row gets the mask after
+        the drafts before it: verification never reaches such a row (its draft cannot be
+        sampled), so its tokens are never used."""
+        taken = 0
+        for token in drafts:
+            if self.is_terminated or not self.matcher.accept_token(token):
+                break
+            taken += 1
         if self.is_terminated:
             bitmask[row] = 0
             for t in self.stop_token_ids:
                 bitmask[row, t // 32] |= bit_value(t % 32)
-            return
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        if taken:
+            self.matcher.rollback(taken)
 
     def accept(self, token_id: int, num_output_tokens: int) -> None:
         """Advance by the sequence's newest token, its ``num_output_tokens``-th.

@@ -50,12 +50,14 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    """``grammar_bitmask(requests)`` gives the structured-output bitmask of the rows to
-    sample (``requests[i]`` = row i), or None when no row is constrained."""
+    """``grammar_bitmask(rows)`` gives the structured-output bitmask of the rows to sample
+    (``rows[i]`` = (request, its draft tokens before row i)), or None when no row is
+    constrained."""
 
     def __init__(self, model, block_size: int, device: str, vocab_size: int,
                  eos_token_id: int | None,
-                 grammar_bitmask: Callable[[list[Request]], GrammarBitmask | None] | None = None
+                 grammar_bitmask: Callable[[list[tuple[Request, list[int]]]],
+                                           GrammarBitmask | None] | None = None
                  ) -> None:
         self.model = model
         self.kv_caches: list[torch.Tensor] = []  # set once the pool is sized
@@ -204,7 +206,7 @@ class ModelRunner:
             [r.sampling_params for r in requests],
             [r.prompt_token_ids for r in requests],
             [r.output_token_ids + drafts for r, drafts in rows],
-            self.eos_token_id, self.vocab_size, logits.device, self.grammar_bitmask(requests),
+            self.eos_token_id, self.vocab_size, logits.device, self.grammar_bitmask(rows),
         )
         raw, targets = self.sampler.sample(logits, batch)
         chosen = targets.tolist()  # becomes the token each row contributes
