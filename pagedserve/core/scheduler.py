@@ -238,10 +238,14 @@ class Scheduler:
 
     def _lookahead(self, request: Request, num_new: int, speculate: bool) -> int:
         """Slots a draft model writes after the ``num_new`` tokens the request computes
-        (counted from its ``num_computed_tokens``): only if it samples in this step."""
-        if not speculate or request.num_computed_tokens + num_new < request.num_tokens:
+        (counted from its ``num_computed_tokens``): only if it samples in this step, and
+        never past ``max_model_len`` (no draft goes there), so that a sequence of
+        ``max_model_len`` tokens fits any pool that fits it without speculation."""
+        end = request.num_computed_tokens + num_new
+        if not speculate or end < request.num_tokens:
             return 0
-        return self.spec_config.num_lookahead_tokens
+        return max(0, min(self.spec_config.num_lookahead_tokens,
+                          self.config.max_model_len - end))
 
     def _num_seats_taken(self) -> int:
         """Running sequences plus the forks they will spawn when their prompt completes."""
