@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One request alone (32 prompt ids, 128 greedy tokens, ignore_eos): decode tokens/s of
 # pagedserve with default settings, of its exact path (--dtype float32 --quantization none),
-# and, when its binary is given, of llama.cpp's llama-server on the same bundled Q4_1 GGUF
+# of self-speculative decoding (the default path drafts SPEC_K tokens, default 8, the exact
+# path verifies them: the exact path's output), and, when its binary is given, of llama.cpp's llama-server on the same bundled Q4_1 GGUF
 # (../shared/peers/README.md says how to build it), one after the other. Run it on a quiet
 # machine; only figures from one run compare.
 #
@@ -53,3 +54,5 @@ PY
 }
 decode_rate "default"
 decode_rate "exact (--dtype float32 --quantization none)" --dtype float32 --quantization none
+decode_rate "self-speculative, k=${SPEC_K:-8} (output = the exact path's)" --dtype float32 \
+    --speculative-config "{\"method\": \"self\", \"num_speculative_tokens\": ${SPEC_K:-8}}"

@@ -74,6 +74,9 @@ class FakeEngine:
                             cached_blocks=0, block_size=16, num_tokens=used,
                             prefix_cache_queries=0, prefix_cache_hits=0)
 
+    def spec_decoding_stats(self):
+        return None  # no speculative decoding
+
     def step(self, on_scheduled=None):
         self.thread_ids.add(threading.get_ident())
         self.steps += 1
