@@ -53,6 +53,9 @@ def engines(args) -> tuple[dict, dict]:
     spec = {"method": args.method, "num_speculative_tokens": args.k}
     if args.method == "draft_model":
         spec["model"] = args.draft_model
+    if args.method == "ngram":
+        spec.update(prompt_lookup_min=args.prompt_lookup_min,
+                    prompt_lookup_max=args.prompt_lookup_max)
     off = dict(base, quantization="none") if args.method == "self" else base
     return off, dict(base, speculative_config=spec)
 
@@ -145,6 +148,8 @@ def main() -> None:
     p.add_argument("--method", default="ngram", choices=["ngram", "self", "draft_model"])
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--draft-model", default=None, help="draft_model: its path")
+    p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram (default 5)")
+    p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram (default 5)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default=None, help="the target's (not with self)")
     p.add_argument("--dataset", default="copy-edit", choices=["copy-edit", "mt-bench"])

@@ -10,6 +10,7 @@ CUDA graph when the engine captured them (``decode_graphs``, see ``cuda_graphs.p
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -74,7 +75,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        order = sorted(range(len(sched.requests)), key=lambda i: sched.num_scheduled_tokens[i] != 1)
+        # Decodes and verifications first, prompt chunks last.
+        order = sorted(range(len(sched.requests)), key=lambda i: (
+            sched.num_scheduled_tokens[i] != 1
+            and sched.requests[i].request_id not in sched.spec_token_ids))
         requests = [sched.requests[i] for i in order]
         query_lens = [sched.num_scheduled_tokens[i] for i in order]
         tables = [sched.block_tables[i] for i in order]
@@ -82,7 +86,7 @@ class ModelRunner:
         starts = [r.num_computed_tokens for r in requests]
         new_tokens = [(r.all_token_ids[c:] + d)[:n]
                       for r, c, n, d in zip(requests, starts, query_lens, drafts)]
-        step = self.prepare_inputs(new_tokens, starts, tables)
+        step = self.prepare_inputs(*_split_verifications(new_tokens, starts, tables, drafts))
         self.copy_blocks(sched.blocks_to_copy)
 
         hidden = self._forward(*step)
@@ -90,7 +94,7 @@ class ModelRunner:
             self.drafter.after_forward(self, step)
 
         out = ModelRunnerOutput()
-        ends = step[2].query_start_loc[1:].tolist()
+        ends = list(itertools.accumulate(query_lens))  # each request's rows end here
         for i, r in enumerate(requests):
             if r.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs(r, query_lens[i], hidden[ends[i] - query_lens[i] : ends[i]], out)
@@ -285,3 +289,21 @@ def _spans(requests: list[Request]) -> list[tuple[Request, int, int]]:
         else:
             spans.append((r, i, i + 1))
     return spans
+
+
+def _split_verifications(new_tokens: list[list[int]], starts: list[int],
+                         tables: list[list[int]], drafts: list[list[int]]
+                         ) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """The step's sequences with each verifying request's k + 1 tokens as k + 1 one-token
+    sequences over its block table (row j at position ``start + j``, which attends to the
+    K/V of rows 0..j written in the same pass): the step stays a decode batch for the
+    attention backends and the fused CPU step, and every row computes the bits a causal
+    chunk's row would (every kernel is row-invariant). Token order is unchanged."""
+    out_tokens, out_starts, out_tables = [], [], []
+    for tokens, start, table, d in zip(new_tokens, starts, tables, drafts):
+        pieces = [[t] for t in tokens] if d else [tokens]
+        for j, piece in enumerate(pieces):
+            out_tokens.append(piece)
+            out_starts.append(start + j)
+            out_tables.append(table)
+    return out_tokens, out_starts, out_tables
