@@ -186,10 +186,11 @@ class SpeculativeConfig:
             (vLLM's defaults: both 5 when neither is given, else the one given for both).
         disable_by_batch_size: no drafts in a step whose batch already runs this many
             requests or more (vLLM's field): under load a verify step costs more than its
-            accepted tokens save. Default: 16 for the model drafters (``self`` measured
+            accepted tokens save. None: never disabled (vLLM's meaning). When the key is
+            not given, ``from_dict`` sets 16 for the model drafters (``self`` measured
             1.33x the exact path at 8 requests, 1.01x at 16, 0.73x at 64 on a 2-core
-            AVX2 EPYC, benchmarks/README.md), none for ``ngram`` (it drafts only where the
-            text repeats, and gained 1.06x at 64 requests there).
+            AVX2 EPYC, benchmarks/README.md) and None for ``ngram`` (it drafts only where
+            the text repeats, and gained 1.06x at 64 requests there).
     """
 
     method: str
@@ -201,12 +202,15 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.disable_by_batch_size is None and self.method != "ngram":
-            object.__setattr__(self, "disable_by_batch_size", MODEL_DRAFT_MAX_BATCH)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"speculative_config.{name} must be an integer; got {value!r}")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}; "
                              f"got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+        if self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1; "
                              f"got {self.num_speculative_tokens!r}")
         if (self.method == "draft_model") != (self.model is not None):
@@ -221,7 +225,8 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config.prompt_lookup_min/max apply to method "
                                  f"'ngram' only; got method {self.method!r}")
             return
-        lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+        lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo,
+                                                              lo if hi is None else hi)
         if lo < 1 or hi < lo:
             raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
                              f"prompt_lookup_max; got {lo}, {hi}")
@@ -255,6 +260,8 @@ class SpeculativeConfig:
             config["method"] = "draft_model"
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative_config.num_speculative_tokens is required")
+        if "disable_by_batch_size" not in config and config["method"] != "ngram":
+            config["disable_by_batch_size"] = MODEL_DRAFT_MAX_BATCH
         return cls(**config)
 
     @property

@@ -330,8 +330,9 @@ def e2e(tmp_path_factory):
               quantization="none", block_size=16, max_model_len=64, max_num_seqs=256,
               max_num_batched_tokens=1024,  # >= 256 x (k + 1): no step cuts drafts short
               num_gpu_blocks_override=600,  # a block per request: no preemption
+              # every step drafts, whatever the batch (None: never disabled)
               speculative_config={"method": "draft_model", "model": str(draft_dir),
-                                  "num_speculative_tokens": K})
+                                  "num_speculative_tokens": K, "disable_by_batch_size": None})
     params = [SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=i)
               for i in range(NUM_REQUESTS)]
     outputs = llm.generate([{"prompt_token_ids": PROMPT}] * NUM_REQUESTS, params,

@@ -480,6 +480,14 @@ def test_request_growing_to_max_model_len_in_a_pool_of_that_size(request, method
      "prompt_lookup_min"),
     ({"speculative_config": {"method": "self", "num_speculative_tokens": 2},
       "quantization": "int8"}, "quantization"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                             "prompt_lookup_min": 0}}, "prompt_lookup_min"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                             "prompt_lookup_min": "2"}}, "prompt_lookup_min"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": True}},
+     "num_speculative_tokens"),
+    ({"speculative_config": {"method": "self", "num_speculative_tokens": 2,
+                             "disable_by_batch_size": "16"}}, "disable_by_batch_size"),
 ])
 def test_bad_config_raises_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"speculative_config.*{field}|{field}.*speculative"):
