@@ -102,6 +102,23 @@ class SpecDecodingStats:
     def copy(self) -> SpecDecodingStats:
         return replace(self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
 
+    def __add__(self, other: SpecDecodingStats) -> SpecDecodingStats:
+        """Field by field (two engines' counts)."""
+        return self._combine(other, 1)
+
+    def __sub__(self, other: SpecDecodingStats) -> SpecDecodingStats:
+        """Field by field (what the counts gained since ``other``, an earlier copy)."""
+        return self._combine(other, -1)
+
+    def _combine(self, other: SpecDecodingStats, sign: int) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts + sign * other.num_drafts,
+            self.num_draft_tokens + sign * other.num_draft_tokens,
+            self.num_accepted_tokens + sign * other.num_accepted_tokens,
+            [a + sign * b for a, b in zip(self.num_accepted_tokens_per_pos,
+                                          other.num_accepted_tokens_per_pos)])
+
 
 @dataclass
 class FinishedRequestStats:
@@ -300,14 +317,13 @@ class _EngineMetrics:
                 counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
                 counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                         "Accepted tokens per draft position.", "position"))
-        last = last or SpecDecodingStats(now.num_spec_tokens)
+        gained = now - (last or SpecDecodingStats(now.num_spec_tokens))
         drafts, draft_tokens, accepted, per_pos = self._spec
-        drafts.labels(*self._values).inc(now.num_drafts - last.num_drafts)
-        draft_tokens.labels(*self._values).inc(now.num_draft_tokens - last.num_draft_tokens)
-        accepted.labels(*self._values).inc(now.num_accepted_tokens - last.num_accepted_tokens)
-        for pos, (n, m) in enumerate(zip(now.num_accepted_tokens_per_pos,
-                                         last.num_accepted_tokens_per_pos)):
-            per_pos.labels(*self._values, str(pos)).inc(n - m)
+        drafts.labels(*self._values).inc(gained.num_drafts)
+        draft_tokens.labels(*self._values).inc(gained.num_draft_tokens)
+        accepted.labels(*self._values).inc(gained.num_accepted_tokens)
+        for pos, n in enumerate(gained.num_accepted_tokens_per_pos):
+            per_pos.labels(*self._values, str(pos)).inc(n)
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None) -> None:

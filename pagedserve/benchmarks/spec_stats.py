@@ -16,19 +16,16 @@ def spec_decode_report(start: SpecDecodingStats | None, end: SpecDecodingStats |
     sampled after them), vLLM's figure."""
     if end is None:
         return None
-    start = start or SpecDecodingStats(end.num_spec_tokens)
-    drafts = end.num_drafts - start.num_drafts
-    draft_tokens = end.num_draft_tokens - start.num_draft_tokens
-    accepted = end.num_accepted_tokens - start.num_accepted_tokens
-    per_pos = [b - a for a, b in zip(start.num_accepted_tokens_per_pos,
-                                     end.num_accepted_tokens_per_pos)]
+    gained = end - (start or SpecDecodingStats(end.num_spec_tokens))
+    drafts = gained.num_drafts
     return {
         "num_drafts": drafts,
-        "num_draft_tokens": draft_tokens,
-        "num_accepted_tokens": accepted,
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-        "acceptance_rate_per_pos": [n / drafts if drafts else None for n in per_pos],
+        "num_draft_tokens": gained.num_draft_tokens,
+        "num_accepted_tokens": gained.num_accepted_tokens,
+        "acceptance_rate": gained.acceptance_rate,
+        "mean_acceptance_length": 1 + gained.num_accepted_tokens / drafts if drafts else None,
+        "acceptance_rate_per_pos": [n / drafts if drafts else None
+                                    for n in gained.num_accepted_tokens_per_pos],
     }
 
 

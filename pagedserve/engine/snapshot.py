@@ -16,7 +16,9 @@ its reference count is their number.
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
+import operator
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -127,8 +129,9 @@ def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> di
     by the pool itself), ``running`` / ``waiting`` (request rows: ids and counts, no text;
     ``age`` in seconds), ``steps`` (the step timeline as columns, oldest first; ``ago`` in
     seconds before now, ``duration`` in seconds) and ``latency`` (TTFT / TPOT / end-to-end
-    percentiles in seconds over ``latency``'s window; empty without one),
-    ``spec_decoding`` (``spec_decoding()``) and ``snapshot_seconds`` (the engine thread's time spent taking it).
+    percentiles in seconds over ``latency``'s window; empty without one), ``spec_decoding``
+    (``spec_decoding()``) and ``snapshot_seconds`` (the engine thread's time spent taking
+    it).
     """
     sched, kv = engine.scheduler, engine.kv_cache_manager
     start = time.perf_counter()
@@ -165,8 +168,9 @@ def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> di
 def merge_snapshots(snapshots: list[dict]) -> dict:
     """One snapshot of data-parallel replicas (``take_snapshot``'s, in replica order): a
     pool per replica (``replica`` = its index), the request rows of all (each tagged with
-    ``replica``), ``kv_cache_stats`` and ``step`` summed, the step timeline of replica 0,
-    the largest ``snapshot_seconds``. One snapshot comes back as it is."""
+    ``replica``), ``kv_cache_stats``, ``step`` and ``spec_decoding`` summed, the step
+    timeline of replica 0, the largest ``snapshot_seconds``. One snapshot comes back as it
+    is."""
     if len(snapshots) == 1:
         return snapshots[0]
     merged = dict(snapshots[0])
@@ -179,16 +183,10 @@ def merge_snapshots(snapshots: list[dict]) -> dict:
                else sum(s["kv_cache_stats"][name] for s in snapshots))
         for name, value in snapshots[0]["kv_cache_stats"].items()}
     merged["step"] = sum(s["step"] for s in snapshots)
-    specs = [s["spec_decoding"] for s in snapshots if s.get("spec_decoding")]
+    specs = [SpecDecodingStats(**{k: v for k, v in s["spec_decoding"].items()
+                                  if k != "acceptance_rate"})
+             for s in snapshots if s.get("spec_decoding")]
     if specs:
-        total = SpecDecodingStats(specs[0]["num_spec_tokens"])
-        for spec in specs:
-            total.num_drafts += spec["num_drafts"]
-            total.num_draft_tokens += spec["num_draft_tokens"]
-            total.num_accepted_tokens += spec["num_accepted_tokens"]
-            total.num_accepted_tokens_per_pos = [
-                a + b for a, b in zip(total.num_accepted_tokens_per_pos,
-                                      spec["num_accepted_tokens_per_pos"])]
-        merged["spec_decoding"] = spec_decoding(total)
+        merged["spec_decoding"] = spec_decoding(functools.reduce(operator.add, specs))
     merged["snapshot_seconds"] = max(s["snapshot_seconds"] for s in snapshots)
     return merged
