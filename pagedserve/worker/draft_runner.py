@@ -28,8 +28,8 @@ from torch import nn
 from pagedserve.args import EngineArgs
 from pagedserve.attention import AttentionBackend
 from pagedserve.config import SpeculativeConfig
-from pagedserve.cpu_ops import cpu_ops_available
 from pagedserve.model_loader.model_config import ModelConfig
+from pagedserve.quantization import get_quantization_method
 from pagedserve.request import Request
 from pagedserve.sample.sampler import Sampler, SamplingBatch
 from pagedserve.spec_decode.drafter import Drafter, NgramDrafter, max_drafts
@@ -140,14 +140,15 @@ def build_drafter(spec: SpeculativeConfig, args: EngineArgs, target: ModelConfig
 
 def self_draft_quantization(spec: SpeculativeConfig, model_path: pathlib.Path,
                             device: str) -> str:
-    """The quantization method of a ``self`` draft: ``spec.quantization``, else ``gguf`` for
-    a .gguf model and ``int8`` for another, on CPU. Raises ``ValueError`` where there is no
+    """The quantization method of a ``self`` draft: ``spec.quantization``, else ``gguf``
+    where the registry's default is (a .gguf model, kernels built) and ``int8`` elsewhere,
+    on CPU. Raises ``ValueError`` where there is no
     fast inexact path (another device, or a method that is the exact path)."""
     if device != "cpu":
         raise ValueError("speculative_config method 'self' drafts with a fast CPU path (gguf "
                          f"or int8); there is none on {device!r}")
-    is_gguf = pathlib.Path(model_path).suffix.lower() == ".gguf"
-    quant = spec.quantization or ("gguf" if is_gguf and cpu_ops_available() else "int8")
+    default = get_quantization_method(None, model_path, device).name  # gguf where it runs
+    quant = spec.quantization or ("gguf" if default == "gguf" else "int8")
     if quant not in ("gguf", "int8"):
         raise ValueError("speculative_config.quantization of method 'self' must be gguf or "
                          f"int8 (a fast path; the target verifies exactly); got {quant!r}")
