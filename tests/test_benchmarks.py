@@ -133,6 +133,42 @@ def test_alpaca_eval_and_sharegpt(tokenizer):
     assert len(some) == 10 and len({tuple(s.prompt_token_ids) for s in some}) == 10
 
 
+# The copy-edit set (issue 29): prompts whose answers copy from them. At least 20, as many
+# quotes as code edits, every paragraph to quote and file to edit >= 128 tokens and present
+# in the chat-templated prompt; output length 192 unless --output-len says otherwise.
+
+
+def test_copy_edit_prompts_hold_long_copyable_sources(tokenizer):
+    prompts = datasets.copy_edit_prompts()
+    kinds = [p["kind"] for p in prompts]
+    assert len(prompts) >= 20
+    assert kinds.count("quote") == kinds.count("code") == len(prompts) // 2
+    sources = [p["source"] for p in prompts]
+    lengths = [len(ids) for ids in tokenizer(sources, add_special_tokens=False)["input_ids"]]
+    assert min(lengths) >= 128, lengths
+    for p in prompts:
+        assert p["source"] in p["prompt"]
+
+
+def test_copy_edit_samples_are_chats_with_output_len(tokenizer):
+    prompts = datasets.copy_edit_prompts()
+    samples = datasets.get_samples(dataset_args("--dataset-name", "copy-edit"), tokenizer)
+    assert len(samples) == len(prompts)
+    assert {s.expected_output_len for s in samples} == {192}
+    for prompt, sample in zip(prompts, samples):
+        assert prompt["source"] in tokenizer.decode(sample.prompt_token_ids)
+    longer = datasets.get_samples(dataset_args("--dataset-name", "copy-edit", "--output-len", "300",
+                                               "--num-prompts", "4"),
+                                  tokenizer)
+    assert len(longer) == 4 and {s.expected_output_len for s in longer} == {300}
+
+
+def test_copy_edit_needs_a_tokenizer():
+    assert datasets.needs_tokenizer("copy-edit")
+    with pytest.raises(ValueError, match="tokenizer"):
+        datasets.get_samples(dataset_args("--dataset-name", "copy-edit"))
+
+
 def test_sharegpt_reply_sets_output_len(tokenizer, tmp_path):
     conv = [{"id": "a", "conversations": [{"from": "human", "value": "Say hi."},
                                           {"from": "gpt", "value": "Hi there, friend!"}]},
