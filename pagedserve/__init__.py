@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 # importing it before torch); a value the user set wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000000")
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.version import __version__
@@ -28,8 +29,16 @@ from pagedserve.version import __version__
 if TYPE_CHECKING:
     from pagedserve.entrypoints.llm import LLM
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams",
-           "StructuredOutputsParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "LoRARequest",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

@@ -48,6 +48,11 @@ class EngineArgs:
     structured_outputs_config: dict | None = None
     # vLLM's SpeculativeConfig as a dict or its JSON text (config.SpeculativeConfig).
     speculative_config: dict | str | None = None
+    # LoRA adapters (lora/): vLLM's names and defaults
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -133,6 +138,15 @@ class EngineArgs:
                             help="speculative decoding as JSON, vLLM's fields: "
                                  "{\"method\": \"ngram\" | \"draft_model\" | \"self\", "
                                  "\"num_speculative_tokens\": k, ...} (see README)")
+        parser.add_argument("--enable-lora", action="store_true",
+                            help="serve LoRA adapters (PEFT directories) on the base model")
+        parser.add_argument("--max-loras", type=int, default=d.max_loras,
+                            help="most adapters one step may use (default: 1)")
+        parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                            help="the largest adapter rank served (default: 16)")
+        parser.add_argument("--max-cpu-loras", type=int, default=None,
+                            help="adapters kept loaded in memory, least recently used "
+                                 "evicted (default: --max-loras)")
         return parser
 
     @classmethod

@@ -50,6 +50,9 @@ class Request:
     sequence's structured-output state (None when unconstrained): made, advanced and read
     by ``structured_output`` (a ``RequestGrammar``), only held here; neither the request
     nor the scheduler looks inside, so this module does not import that one.
+    ``lora_id`` is the engine's id of the request's LoRA adapter (0: none), unique per
+    load of an adapter: it keys the adapter's slot and its prefix-cache blocks;
+    ``lora_name`` is the adapter's name, for observers.
     """
 
     def __init__(
@@ -60,6 +63,8 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float | None = None,
         grammar: object | None = None,
+        lora_id: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -67,6 +72,8 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.grammar = grammar
+        self.lora_id = lora_id
+        self.lora_name = lora_name
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.spec_token_ids: list[int] = []

@@ -23,7 +23,8 @@ BlockHash = bytes
 def hash_block_tokens(parent: BlockHash | None, token_ids: Iterable[int]) -> BlockHash:
     """Chained hash of one full block: sha256(parent hash, the block's token ids).
 
-    sha256 makes collisions negligible, so a hit needs no token comparison. Everything
+    sha256 makes collisions negligible, so a hit needs no token comparison. A request's
+    first block chains from its LoRA adapter's key (``kv_cache_manager``); everything
     else that changes a block's K/V (model, dtype) is fixed for the engine's lifetime.
     """
     h = hashlib.sha256(parent or b"")

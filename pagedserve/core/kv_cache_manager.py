@@ -94,7 +94,7 @@ class KVCacheManager:
         hashes = self.req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         for i in range(len(hashes), request.num_tokens // bs):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else _first_parent(request)
             hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
@@ -227,3 +227,11 @@ class KVCacheManager:
                 f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
                 f"held by {counts.get(block.block_id, 0)} tables"
             )
+
+
+def _first_parent(request: Request) -> BlockHash | None:
+    """What the chain of a request's block hashes starts from: nothing for the base model;
+    for a LoRA adapter its engine id (unique per load), so that blocks are shared only
+    under the same load of the same adapter (its K/V differ from the base's, and from
+    another adapter's loaded later under the same name)."""
+    return None if not request.lora_id else b"lora:" + str(request.lora_id).encode()

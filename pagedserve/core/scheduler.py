@@ -12,6 +12,11 @@ token plus its draft tokens (``spec_token_ids``, proposed at the end of the prev
 which the step verifies; the rejected drafts' slots are given back afterwards. In a step
 that speculates (``speculate``), each request that samples also gets the slots a draft
 model writes ahead (``SpeculativeConfig.num_lookahead_tokens``).
+
+LoRA: a step may use at most ``max_loras`` adapters (``Request.lora_id``). Admission stays
+first come, first served across adapters: when the oldest waiting request's adapter would
+be one too many, nobody behind it is admitted until a slot frees (vLLM skips such a
+request, which can starve it).
 """
 
 from __future__ import annotations
@@ -60,8 +65,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 spec_config: SpeculativeConfig | None = None) -> None:
+                 spec_config: SpeculativeConfig | None = None,
+                 max_loras: int | None = None) -> None:
         self.config = config
+        self.max_loras = max_loras
         self.kv = kv_cache_manager
         self.spec_config = spec_config
         self.waiting: deque[Request] = deque()
@@ -186,6 +193,7 @@ class Scheduler:
         static = self.config.scheduling == "static"
         if static and not self.running:
             self._batch_open = True
+        adapters = {r.lora_id for r in self.running if r.lora_id}
         # New requests wait while running ones are being preempted for lack of blocks.
         while (
             self.waiting
@@ -196,6 +204,8 @@ class Scheduler:
             request = self.waiting[0]
             num_seqs = 1 + len(self.pending_forks.get(request.request_id, ()))
             if self._num_seats_taken() + num_seqs > self.config.max_num_seqs:
+                break
+            if not self._lora_fits(request, adapters):
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
@@ -211,6 +221,8 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             self._insert_running(request)
+            if request.lora_id:
+                adapters.add(request.lora_id)
             scheduled.append((request, num_new))
             budget -= num_new
         if static and self.running and budget > 0:
@@ -246,6 +258,11 @@ class Scheduler:
             return 0
         return max(0, min(self.spec_config.num_lookahead_tokens,
                           self.config.max_model_len - end))
+
+    def _lora_fits(self, request: Request, adapters: set[int]) -> bool:
+        """Whether ``request`` may join a step whose running requests use ``adapters``."""
+        return (not request.lora_id or self.max_loras is None or request.lora_id in adapters
+                or len(adapters) < self.max_loras)
 
     def _num_seats_taken(self) -> int:
         """Running sequences plus the forks they will spawn when their prompt completes."""

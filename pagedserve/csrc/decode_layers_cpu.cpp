@@ -11,7 +11,9 @@
 // Each projection W as its quantization method holds it (LinearWeight.fused_kernel, in
 // pagedserve/quantization/): GGUF blocks (ggml_mul_mat_a8),
 // int8 rows (int8_linear: per-token quantization, torch._int_mm, scales), or a float weight
-// (fixed_order_linear on its packed copy, else F.linear); any float dtype.
+// (fixed_order_linear on its packed copy, else F.linear); any float dtype. With LoRA
+// adapters (pagedserve/lora/), each projection then adds its rows' LoRA terms (lora_add),
+// as LoRAWeight.apply does.
 
 #include <torch/extension.h>
 
@@ -35,6 +37,8 @@ torch::Tensor fixed_order_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 torch::Tensor int8_scaled_mm_epilogue(torch::Tensor acc, torch::Tensor x_scale,
                                       torch::Tensor w_scale, std::optional<torch::Tensor> bias,
                                       at::ScalarType dtype);
+void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor slots, torch::Tensor A,
+              torch::Tensor Bt, torch::Tensor ranks, torch::Tensor shard_cols);
 
 namespace {
 
@@ -59,13 +63,29 @@ torch::Tensor project(const torch::Tensor& a, const torch::Tensor& b, int64_t ki
   return ggml_mul_mat_a8(a, x.to(at::kFloat), kind).to(x.scalar_type());
 }
 
+// Per projection with LoRA: its stack's A, Bt, ranks and shard_cols (lora/layers.py).
+constexpr int64_t kLoRATensors = 4;
+
+// project(), then the LoRA terms of the rows with an adapter when the step has any
+// (lora: this projection's kLoRATensors tensors, or null).
+torch::Tensor project_lora(const torch::Tensor& a, const torch::Tensor& b, int64_t kind,
+                           const torch::Tensor& x, const torch::Tensor* lora,
+                           const torch::Tensor& lora_slots) {
+  auto out = project(a, b, kind, x);
+  if (lora != nullptr && lora_slots.numel() > 0)
+    lora_add(out, x, lora_slots, lora[0], lora[1], lora[2], lora[3]);
+  return out;
+}
+
 }  // namespace
 
 // hidden [T, hidden_size] (the model's dtype), updated in place. weights: per layer, in
 // order, the input norm's weight, qkv_proj's two tensors (see project), o_proj's, the
 // post-attention norm's weight, gate_up_proj's, down_proj's; kinds: per layer the four
 // projections' kinds. kv_caches, windows (0: none): per layer. The index tensors are
-// AttentionMetadata's for a step whose sequences are all decodes. Raises (RuntimeError)
+// AttentionMetadata's for a step whose sequences are all decodes. lora: empty, or per
+// layer per projection its LoRA stack's kLoRATensors tensors; lora_slots: each row's
+// adapter slot (-1: none), empty when no row of the step has one. Raises (RuntimeError)
 // on inconsistent lengths.
 void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
                          std::vector<torch::Tensor> weights, std::vector<int64_t> kinds,
@@ -73,12 +93,15 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
                          torch::Tensor slot_mapping, torch::Tensor block_tables,
                          torch::Tensor seq_lens, torch::Tensor query_start_loc,
                          torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                         std::vector<torch::Tensor> lora, torch::Tensor lora_slots) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kTensorsPerLayer * layers &&
                   static_cast<int64_t>(kinds.size()) == 4 * layers &&
                   static_cast<int64_t>(windows.size()) == layers,
               "llama_decode_layers: 10 weights, 4 kinds and 1 window per layer");
+  TORCH_CHECK(lora.empty() || static_cast<int64_t>(lora.size()) == 4 * kLoRATensors * layers,
+              "llama_decode_layers: 4 LoRA stacks of ", kLoRATensors, " tensors per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
               "llama_decode_layers: hidden must be a contiguous [T, hidden_size]");
   const int64_t T = hidden.size(0), q_size = num_heads * head_dim;
@@ -87,8 +110,10 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + kTensorsPerLayer * l;
     const int64_t* kind = kinds.data() + 4 * l;
+    const torch::Tensor* lw = lora.empty() ? nullptr : lora.data() + 4 * kLoRATensors * l;
+    auto lora_of = [&](int p) { return lw == nullptr ? nullptr : lw + kLoRATensors * p; };
     rms_norm(x, hidden, w[0], eps);
-    const auto qkv = project(w[1], w[2], kind[0], x);
+    const auto qkv = project_lora(w[1], w[2], kind[0], x, lora_of(0), lora_slots);
     auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -97,12 +122,13 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
     auto attn = torch::empty({T, num_heads, head_dim}, hidden.options());
     paged_attention(q.contiguous(), kv_caches[l], block_tables, seq_lens, query_start_loc, attn,
                     scale, windows[l]);
-    hidden.add_(project(w[3], w[4], kind[1], attn.view({T, q_size})));
+    hidden.add_(project_lora(w[3], w[4], kind[1], attn.view({T, q_size}), lora_of(1),
+                             lora_slots));
     rms_norm(x, hidden, w[5], eps);
-    const auto gate_up = project(w[6], w[7], kind[2], x);
+    const auto gate_up = project_lora(w[6], w[7], kind[2], x, lora_of(2), lora_slots);
     const int64_t inter = gate_up.size(1) / 2;
     const auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
-    hidden.add_(project(w[8], w[9], kind[3], act));
+    hidden.add_(project_lora(w[8], w[9], kind[3], act, lora_of(3), lora_slots));
   }
 }
 

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from pagedserve.args import EngineArgs
 from pagedserve.core.kv_cache_manager import KVCacheStats
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -51,13 +52,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns finished outputs in input order.
 
         ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
         ``sampling_params``: one for all prompts or one per prompt (default
-        ``SamplingParams()``). Raises ``ValueError`` for any bad prompt or parameter
-        before anything runs.
+        ``SamplingParams()``). ``lora_request``: the LoRA adapter of every prompt, or one
+        per prompt (None: the base model); needs ``enable_lora=True``. Raises
+        ``ValueError`` for any bad prompt, parameter or adapter before anything runs.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -69,11 +72,15 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(
                 f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(lora_request)} lora_request")
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params, lora in zip(prompts, sampling_params, lora_request):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params, lora_request=lora)
                 ids.append(rid)
         except ValueError:
             self.engine.abort_request(ids)
@@ -87,6 +94,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate.
 
@@ -102,7 +110,7 @@ class LLM:
                 conv, add_generation_prompt=add_generation_prompt, tokenize=True,
                 chat_template=chat_template, return_dict=False)
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

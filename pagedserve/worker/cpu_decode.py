@@ -10,7 +10,8 @@ It applies to models whose every layer is a plain ``LlamaDecoderLayer`` (RMSNorm
 biases, no q/k norm, full-width neox rotary, SiLU), with the C++ attention backend, in any
 dtype, whatever holds each projection's weight, as long as its quantization method hands
 the step a kernel entry (``LinearWeight.fused_kernel``: GGUF blocks, int8 rows or the
-float weight, each multiplied as the method's ``apply`` does); and to steps whose
+float weight, each multiplied as the method's ``apply`` does), LoRA adapters included
+(``lora/layers.py``: the same grouped kernel adds their terms); and to steps whose
 sequences are all decodes. Other models and steps run the Python layers. Measured on the
 shared workload (35 rows a step on average): the step's Python took 14 of 101 ms with GGUF
 weights (benchmarks/README.md).
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from pagedserve.attention import AttentionMetadata
 from pagedserve.attention.cpu_attn import CpuAttention
+from pagedserve.lora.layers import LoRAWeight
 from pagedserve.models.layers import RMSNorm
 from pagedserve.models.llama import LlamaDecoderLayer
 from pagedserve.quantization.base import Linear
@@ -41,8 +43,15 @@ class CpuDecodeLayers:
         self.weights: list[torch.Tensor] = []
         self.kinds: list[int] = []
         self.windows = [layer.self_attn.attn.sliding_window or 0 for layer in model.layers]
+        # LoRA: every projection's stack, and the batch whose token slots the step reads
+        self.lora: list[torch.Tensor] = []
+        self.lora_batch = None
         for layer in model.layers:
             qkv, o, gate_up, down = (p.method.fused_kernel(p) for p in _projections(layer))
+            for p in _projections(layer):
+                if isinstance(p.method, LoRAWeight):
+                    self.lora += p.method.stack.kernel_tensors()
+                    self.lora_batch = p.method.batch
             self.weights += [layer.input_layernorm.weight.detach(), *qkv[:2], *o[:2],
                              layer.post_attention_layernorm.weight.detach(), *gate_up[:2],
                              *down[:2]]
@@ -78,12 +87,17 @@ class CpuDecodeLayers:
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden_size]`` after every layer (updated in place)."""
+        slots = None if self.lora_batch is None else self.lora_batch.slots
         torch.ops.pagedserve.llama_decode_layers(
             hidden, positions, self.weights, self.kinds, kv_caches, self.windows,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.rotary.cos, self.rotary.sin, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.eps, self.scale)
+            self.head_dim, self.eps, self.scale, self.lora if slots is not None else [],
+            _NO_SLOTS if slots is None else slots)
         return hidden
+
+
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 def _projections(layer) -> list:

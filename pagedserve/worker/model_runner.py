@@ -18,6 +18,7 @@ import torch
 
 from pagedserve.attention import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.lora.manager import LoRAManager
 from pagedserve.request import Request
 from pagedserve.sample.sampler import Sampler, SamplingBatch, logsumexp_rows
 from pagedserve.sampling_params import SamplingParams
@@ -72,6 +73,7 @@ class ModelRunner:
         self.drafter: Drafter | None = None  # set by the worker (speculative decoding)
         # A draft model's own KV cache: the same block ids, so block copies copy it too.
         self.draft_kv_caches: list[torch.Tensor] = []
+        self.lora: LoRAManager | None = None  # set by the worker (LoRA adapters)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -87,6 +89,8 @@ class ModelRunner:
         new_tokens = [(r.all_token_ids[c:] + d)[:n]
                       for r, c, n, d in zip(requests, starts, query_lens, drafts)]
         step = self.prepare_inputs(*_split_verifications(new_tokens, starts, tables, drafts))
+        if self.lora is not None:  # token order is the requests' (splitting keeps it)
+            self.lora.prepare_step([r.lora_id for r in requests], query_lens)
         self.copy_blocks(sched.blocks_to_copy)
 
         hidden = self._forward(*step)

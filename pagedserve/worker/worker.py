@@ -35,7 +35,10 @@ from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, r
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.distributed.group import RankGroup
 from pagedserve.distributed.sharding import shard_config
+from pagedserve.lora.config import LoRAConfig
+from pagedserve.lora.manager import LoRAManager
 from pagedserve.model_loader.model_config import ModelConfig
+from pagedserve.worker.cpu_decode import CpuDecodeLayers
 from pagedserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedserve.worker.draft_runner import build_drafter
 from pagedserve.worker.kv_cache import (
@@ -113,10 +116,15 @@ class Worker:
         model = load_model(args, config.hf_config, config.model_path, config.device,
                            config.dtype, self.attention_backend, config.max_model_len, group,
                            hooks.tokenizer)
+        lora = LoRAConfig.from_engine_args(args)
+        self.lora = None if lora is None else LoRAManager(model, lora)  # one rank (engine)
+        if self.lora is not None and model.cpu_decode is not None:
+            model.cpu_decode = CpuDecodeLayers.build(model)  # again, with the LoRA stacks
         self.model = model if hooks.wrap_model is None else hooks.wrap_model(model)
         self.model_runner = hooks.runner_class(
             self.model, args.block_size, config.device, config.hf_config.vocab_size,
             hooks.eos_token_id, hooks.grammar_bitmask)
+        self.model_runner.lora = self.lora
         # Speculative decoding: rank 0 drafts (the engine allows model drafts on one rank).
         self.draft_kv_config = None  # a draft model's own KV cache, in the same blocks
         spec = SpeculativeConfig.from_dict(args.speculative_config)
@@ -160,6 +168,7 @@ class Worker:
         drafter = self.model_runner.drafter
         models = [self.model, *([] if drafter is None or drafter.model is None else [drafter.model])]
         weights = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
+        weights += 0 if self.lora is None else self.lora.num_bytes
         ranks = 1 if self.group is None else self.group.world_size
         fixed = fixed_kv_budget(cache, per_block, config.device, ranks)
         if fixed is not None:
@@ -187,11 +196,11 @@ class Worker:
     def _capture_decode_graphs(self, max_num_seqs: int) -> DecodeGraphs | None:
         """CUDA graphs of pure-decode steps for ``capture_sizes(max_num_seqs)``, captured
         over the allocated KV cache; None with ``enforce_eager``, on CPU, under tensor
-        parallelism, or with an attention backend other than triton (the others size their
-        work per step)."""
+        parallelism, with LoRA (its token slots change every step), or with an attention
+        backend other than triton (the others size their work per step)."""
         config = self.model_config
         if (self.args.enforce_eager or not config.device.startswith("cuda")
-                or self.group is not None):
+                or self.group is not None or self.lora is not None):
             return None
         if self.attention_backend.name != "triton":
             logger.info("no CUDA graphs with the %s attention backend: decode runs eagerly",

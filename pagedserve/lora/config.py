@@ -1,0 +1,45 @@
+"""``LoRAConfig``: the engine's LoRA limits, from vLLM's engine arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Attributes:
+        max_loras: adapters one step may use (the grouped kernel's slots); vLLM's default 1.
+        max_lora_rank: the largest rank an adapter may have (slots are this wide); vLLM's
+            default 16.
+        max_cpu_loras: adapters kept loaded in memory (least recently used evicted and
+            read again on their next use); at least ``max_loras``, default ``max_loras``.
+
+    Raises ``ValueError`` for a value below 1 or ``max_cpu_loras < max_loras``.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is None and name == "max_cpu_loras":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+
+    @property
+    def cpu_capacity(self) -> int:
+        """How many adapters stay loaded."""
+        return self.max_cpu_loras or self.max_loras
+
+    @classmethod
+    def from_engine_args(cls, args) -> LoRAConfig | None:
+        """The config of ``args`` (``EngineArgs``), or None without ``enable_lora``."""
+        if not args.enable_lora:
+            return None
+        return cls(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
