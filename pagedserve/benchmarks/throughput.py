@@ -9,7 +9,8 @@ kernels) for a side-by-side comparison with continuous batching. ``--timeline FI
 (or ``.png``) writes the run's step timeline and KV block usage, as ``/dashboard`` draws them.
 ``--structured-outputs json`` runs the requests twice on one engine, unconstrained and then
 constrained to a JSON schema (same output lengths: ``ignore_eos``), and prints the ratio
-and the grammar's compile time, first and cached.
+and the grammar's compile time, first and cached. ``--lora-path DIR ...`` (vLLM's flag;
+with ``--enable-lora``) gives request i the adapter ``i mod len(paths)``.
 
 Example::
 
@@ -30,6 +31,7 @@ from tqdm import tqdm
 from pagedserve.args import EngineArgs
 from pagedserve.benchmarks import datasets
 from pagedserve.benchmarks.spec_stats import print_spec_decode_report, spec_decode_report
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:  # the engine (torch, models) loads only when a benchmark runs
@@ -49,7 +51,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-outputs", choices=["json"], default=None,
                         help="also run every request constrained to a JSON schema, and "
                              "compare")
+    parser.add_argument("--lora-path", nargs="+", default=None, metavar="DIR",
+                        help="PEFT LoRA adapter directories (needs --enable-lora): request i "
+                             "runs with adapter i mod their number")
     EngineArgs.add_cli_args(parser)
+
+
+def lora_requests(paths: list[str] | None, num: int) -> list[LoRARequest | None]:
+    """Request i's adapter: ``paths[i % len(paths)]`` (named ``lora-<j>``, id j + 1), or
+    None for every request without ``paths``."""
+    if not paths:
+        return [None] * num
+    return [LoRARequest(f"lora-{i % len(paths)}", i % len(paths) + 1, paths[i % len(paths)])
+            for i in range(num)]
 
 
 # An object whose string can go on as long as the output: no request ends its grammar early.
@@ -58,8 +72,10 @@ BENCH_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}},
 
 
 def run(engine: LLMEngine, samples: list[datasets.SampleRequest], detokenize: bool = True,
-        use_tqdm: bool = True, structured: StructuredOutputsParams | None = None) -> dict:
-    """Queue every request, step the engine until all finish; return the figures.
+        use_tqdm: bool = True, structured: StructuredOutputsParams | None = None,
+        loras: list[LoRARequest | None] | None = None) -> dict:
+    """Queue every request (request i with adapter ``loras[i]`` if given), step the
+    engine until all finish; return the figures.
 
     The prefix cache is emptied first, so that a second run on the same engine computes
     the same prompts again. ``decode_step_time`` is the mean time of the steps that only
@@ -72,7 +88,8 @@ def run(engine: LLMEngine, samples: list[datasets.SampleRequest], detokenize: bo
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=s.expected_output_len,
                                 detokenize=detokenize, structured_outputs=structured)
         engine.add_request(f"{'so-' if structured else ''}{i}",
-                           {"prompt_token_ids": s.prompt_token_ids}, params)
+                           {"prompt_token_ids": s.prompt_token_ids}, params,
+                           lora_request=loras[i] if loras else None)
     steps = sampled = 0
     output_tokens = 0
     decode_times: list[float] = []
@@ -191,7 +208,8 @@ def main(args: argparse.Namespace) -> int:
     engine.timeline = StepTimeline(maxlen=None)  # every step, for --timeline
     samples = datasets.get_samples(args, engine.tokenizer, engine.hf_config.vocab_size,
                                    engine.max_model_len)
-    result = run(engine, samples, not args.disable_detokenize, not args.disable_tqdm)
+    result = run(engine, samples, not args.disable_detokenize, not args.disable_tqdm,
+                 loras=lora_requests(args.lora_path, len(samples)))
     print_report(result)
     if args.timeline:  # the main run's steps only
         write_timeline(args.timeline, engine.timeline.columns(), engine.num_blocks,
