@@ -47,7 +47,8 @@ PACKAGE = Path(pagedserve.__file__).parent
 ROOMS = [
     "version", "config", "args", "cpu_ops", "metrics", "sampling_params", "outputs",
     "tokenizer", "detokenizer", "request", "structured_output", "core", "attention",
-    "model_loader", "quantization", "models", "sample", "spec_decode", "distributed", "worker",
+    "model_loader", "quantization", "models", "sample", "spec_decode", "lora", "distributed",
+    "worker",
     "executor", "engine", "entrypoints.openai", "benchmarks", "entrypoints", "",
 ]
 MAX_LINES = 450

@@ -22,9 +22,8 @@ from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
 from pagedserve.engine.timeline import StepTimeline
 from pagedserve.executor import create_executor
-from pagedserve.lora.adapter import LoRAAdapter
 from pagedserve.lora.config import LoRAConfig
-from pagedserve.lora.registry import LoRAInUseError, LoRARegistry
+from pagedserve.lora.registry import LoRARegistry
 from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import SpecDecodingStats
 from pagedserve.model_loader.files import resolve_model_path
@@ -56,10 +55,7 @@ class LLMEngine:
             args = replace(args, quantization=spec.target_quantization(
                 args.quantization, args.tensor_parallel_size))
         self.spec_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
-        self.lora_config = LoRAConfig.from_engine_args(args)
-        if self.lora_config is not None:
-            _check_lora_support(args, spec)
-        self.loras = LoRARegistry()
+        self.lora_config = LoRAConfig.from_engine_args(args, spec)
         self.args = args
         self.model_config = config = ModelConfig.from_args(args)
         self.model_path, self.hf_config = config.model_path, config.hf_config
@@ -105,8 +101,9 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, args.block_size,
                                                args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, spec,
-                                   None if self.lora_config is None
-                                   else self.lora_config.max_loras)
+                                   self.lora_config and self.lora_config.max_loras)
+        self.loras = LoRARegistry(self.executor.driver_worker.lora, lambda lora_id: sum(
+            r.lora_id == lora_id for r in self.scheduler.requests.values()))
         self.output_processor = OutputProcessor(self.tokenizer)
         # The last steps, for the dashboard; a benchmark may swap in an unbounded one.
         self.timeline = StepTimeline()
@@ -138,17 +135,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None) -> None:
-        """Queue a request, with ``lora_request``'s adapter if given (loaded now if it is
-        not yet: ``add_lora``). Raises ``ValueError`` for a bad prompt, parameters or
-        adapter; nothing is queued then."""
+        """Queue a request (with ``lora_request``'s adapter, registered if new). Raises
+        ``ValueError`` for a bad prompt, parameters or adapter; nothing is queued then."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        lora_id = 0
-        if lora_request is not None:
-            self.add_lora(lora_request)
-            lora_id = self.loras.find(lora_request).lora_id
         text, token_ids, params = self.input_processor.process(prompt, params)
         grammars = self.structured_output.request_grammars(params, params.n)
+        lora_id = 0 if lora_request is None else self.loras.add(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
@@ -175,54 +168,17 @@ class LLMEngine:
                                            RequestStatus.FINISHED_ABORTED)
             self.output_processor.remove(parent)
 
-    # -- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------
-
-    def load_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
-        """Read and check ``lora_request``'s adapter for this model without registering it
-        (safe on another thread: the server loads off the engine thread, then calls
-        ``add_lora`` with the result). Raises ``ValueError``."""
-        return self._lora_manager().load(lora_request.lora_name, lora_request.lora_path)
-
-    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> bool:
-        """Register an adapter (``adapter``: its ``load_lora`` result, else it is loaded
-        here). True once registered, also when it already was. Raises ``ValueError``
-        without ``enable_lora``, for a bad adapter, or for a name or id taken by
-        another."""
-        manager = self._lora_manager()
-        if self.loras.find(lora_request) is not None:
-            return True
-        adapter = adapter or self.load_lora(lora_request)
-        manager.add(self.loras.add(lora_request).lora_id, adapter)
-        return True
+    # -- LoRA adapters: vLLM's names; the rest is ``self.loras`` (lora/registry.py) -------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (True; ``ValueError`` for a bad one, see ``LoRARegistry.add``)."""
+        return self.loras.add(lora_request) > 0
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Unregister an adapter; False if unknown. Raises ``LoRAInUseError`` while an
-        unfinished request uses it (nothing changes then)."""
-        entry = self.loras.by_int_id.get(lora_int_id)
-        if entry is None:
-            return False
-        users = [r.request_id for r in self.scheduler.requests.values()
-                 if r.lora_id == entry.lora_id]
-        if users:
-            raise LoRAInUseError(f"LoRA adapter {entry.request.lora_name!r} is in use by "
-                                 f"{len(users)} unfinished requests")
-        self.loras.remove(lora_int_id)
-        self._lora_manager().remove(entry.lora_id)
-        return True
+        """Unregister an adapter (``LoRARegistry.remove``: ``LoRAInUseError`` if in use)."""
+        return self.loras.remove(lora_int_id)
 
     def list_loras(self) -> set[int]:
-        """The ``lora_int_id`` of every registered adapter."""
         return set(self.loras.by_int_id)
-
-    def lora_requests(self) -> list[LoRARequest]:
-        """The registered adapters, in registration order."""
-        return self.loras.requests()
-
-    def _lora_manager(self):
-        manager = self.executor.driver_worker.lora
-        if manager is None:
-            raise ValueError("LoRA adapters need enable_lora=True (--enable-lora)")
-        return manager
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -292,14 +248,3 @@ class LLMEngine:
         num_tokens = sum(r.num_computed_tokens for r in self.scheduler.running)
         return self.kv_cache_manager.stats(num_tokens)
 
-
-def _check_lora_support(args: EngineArgs, spec: SpeculativeConfig | None) -> None:
-    """Raise ``ValueError`` for what LoRA does not combine with (yet): more than one rank
-    or replica, and speculative decoding with a model drafter (it would draft without the
-    adapter)."""
-    if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:
-        raise ValueError("enable_lora: LoRA adapters are served on one rank and one replica "
-                         "(tensor_parallel_size and data_parallel_size 1)")
-    if spec is not None and spec.method != "ngram":
-        raise ValueError(f"enable_lora: speculative decoding with method {spec.method!r} "
-                         "drafts without the adapter; use method ngram")

@@ -38,8 +38,19 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
     @classmethod
-    def from_engine_args(cls, args) -> LoRAConfig | None:
-        """The config of ``args`` (``EngineArgs``), or None without ``enable_lora``."""
+    def from_engine_args(cls, args, spec=None) -> LoRAConfig | None:
+        """The config of ``args`` (``EngineArgs``; ``spec``: its ``SpeculativeConfig``),
+        or None without ``enable_lora``.
+
+        Raises ``ValueError`` for what LoRA does not combine with (yet): more than one
+        rank or replica, and speculative decoding with a model drafter (it would draft
+        without the adapter)."""
         if not args.enable_lora:
             return None
+        if args.tensor_parallel_size > 1 or args.data_parallel_size > 1:
+            raise ValueError("enable_lora: LoRA adapters are served on one rank and one "
+                             "replica (tensor_parallel_size and data_parallel_size 1)")
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(f"enable_lora: speculative decoding with method {spec.method!r} "
+                             "drafts without the adapter; use method ngram")
         return cls(args.max_loras, args.max_lora_rank, args.max_cpu_loras)

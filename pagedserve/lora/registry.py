@@ -1,5 +1,5 @@
-"""The engine's adapters by name and ``lora_int_id`` (no tensors: the worker's
-``LoRAManager`` holds those).
+"""The engine's adapters by name and ``lora_int_id``; the tensors are the worker's
+``LoRAManager``'s.
 
 Each registration gets an engine id that is never reused (``Request.lora_id``): the
 prefix cache keys blocks by it, so an adapter unloaded and loaded again under the same
@@ -9,8 +9,11 @@ name (perhaps from other files) never meets the K/V of its previous load.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedserve.lora.adapter import LoRAAdapter
+from pagedserve.lora.manager import LoRAManager
 from pagedserve.lora.request import LoRARequest
 
 
@@ -27,11 +30,51 @@ class RegisteredLoRA:
 
 
 class LoRARegistry:
-    """Registered adapters; the same adapter is asked for by the same name, id and path."""
+    """Registered adapters (see the module docstring).
 
-    def __init__(self) -> None:
+    Args:
+        manager: the worker's ``LoRAManager``, or None without ``enable_lora`` (then
+            every method that needs an adapter raises ``ValueError``).
+        num_users: the number of unfinished requests using an engine id.
+    """
+
+    def __init__(self, manager: LoRAManager | None, num_users: Callable[[int], int]) -> None:
+        self.manager = manager
+        self.num_users = num_users
         self.by_int_id: dict[int, RegisteredLoRA] = {}
         self._next_id = itertools.count(1)
+
+    def load(self, lora: LoRARequest) -> LoRAAdapter:
+        """Read and check ``lora``'s adapter without registering it: touches nothing here,
+        so the server runs it off the engine thread. Raises ``ValueError``."""
+        return self._manager().load(lora.lora_name, lora.lora_path)
+
+    def add(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> int:
+        """Register ``lora`` (``adapter``: its ``load`` result, else it is loaded now),
+        unless it already is; returns its engine id. Raises ``ValueError`` for a bad
+        adapter, or a name or id registered for another adapter."""
+        manager = self._manager()
+        entry = self.find(lora)
+        if entry is None:
+            adapter = adapter or self.load(lora)
+            entry = RegisteredLoRA(lora, next(self._next_id))
+            manager.add(entry.lora_id, adapter)
+            self.by_int_id[lora.lora_int_id] = entry
+        return entry.lora_id
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; False if unknown. Raises ``LoRAInUseError`` while an
+        unfinished request uses it (nothing changes then)."""
+        entry = self.by_int_id.get(lora_int_id)
+        if entry is None:
+            return False
+        users = self.num_users(entry.lora_id)
+        if users:
+            raise LoRAInUseError(f"LoRA adapter {entry.request.lora_name!r} is in use by "
+                                 f"{users} unfinished requests")
+        del self.by_int_id[lora_int_id]
+        self._manager().remove(entry.lora_id)
+        return True
 
     def find(self, lora: LoRARequest) -> RegisteredLoRA | None:
         """The registration of ``lora``, or None if neither its id nor its name is known.
@@ -53,14 +96,11 @@ class LoRARegistry:
     def by_name(self, name: str) -> RegisteredLoRA | None:
         return next((r for r in self.by_int_id.values() if r.request.lora_name == name), None)
 
-    def add(self, lora: LoRARequest) -> RegisteredLoRA:
-        entry = RegisteredLoRA(lora, next(self._next_id))
-        self.by_int_id[lora.lora_int_id] = entry
-        return entry
-
-    def remove(self, lora_int_id: int) -> RegisteredLoRA | None:
-        return self.by_int_id.pop(lora_int_id, None)
-
     def requests(self) -> list[LoRARequest]:
         """The registered adapters in registration order."""
         return [r.request for r in self.by_int_id.values()]
+
+    def _manager(self) -> LoRAManager:
+        if self.manager is None:
+            raise ValueError("LoRA adapters need enable_lora=True (--enable-lora)")
+        return self.manager
