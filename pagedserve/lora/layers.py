@@ -75,7 +75,7 @@ class LoRAStack:
         """``out [T, N] += (x [T, K] @ A[s]^T) @ Bt[s]`` for each row's slot ``s`` (-1:
         nothing), in place."""
         ops = cpu_layer_ops(x)
-        if ops is not None:
+        if ops is not None and out.dtype in (torch.float32, torch.bfloat16):
             ops.lora_add(out, x, slots, *self.kernel_tensors())
             return
         cols = self.target.shard_cols()
