@@ -1,7 +1,8 @@
 // The LoRA term of a step's rows, every adapter in one call (torch.ops.pagedserve.lora_add):
 //   out[t, :] += (x[t, :] @ A[s]^T) @ Bt[s]      s = slots[t]; nothing where s < 0
-// the CPU's counterpart of Punica's BGMV (Chen et al., "Punica: Multi-Tenant LoRA
-// Serving", 2023): rows of different adapters in one pass, no per-adapter products.
+// the CPU's counterpart of Punica's SGMV (Chen et al., "Punica: Multi-Tenant LoRA
+// Serving", 2023): rows of different adapters in one pass, grouped by adapter so that
+// each A and Bt row is read once per step, no per-adapter products from Python.
 //
 // Layout (pagedserve/lora/layers.py, LoRAStack): A [S, shards * R, K] and Bt [S, R, N]
 // float32, R the slots' width (max_lora_rank); a fused projection (q/k/v, gate/up) has one
@@ -17,38 +18,66 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-// Dot product of K floats in a fixed order: 16 running partial sums, then their sum.
+// Eight floats (a ymm register with AVX2, half a zmm with AVX-512), loaded unaligned.
+typedef float v8 __attribute__((vector_size(32)));
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+constexpr int64_t kCols = 64;  // output columns of one expand work item
+
+// x . a over K in a fixed order: two 8-wide running sums over k, then their lanes in
+// order, then the tail; the same instructions for every row of every batch.
 inline float dot(const float* x, const float* a, int64_t K) {
-  float acc[16] = {0};
+  v8 acc0 = {}, acc1 = {};
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += x[k + l] * a[k + l];
-  float tail = 0;
-  for (; k < K; ++k) tail += x[k] * a[k];
+  for (; k + 16 <= K; k += 16) {
+    acc0 += load8(x + k) * load8(a + k);
+    acc1 += load8(x + k + 8) * load8(a + k + 8);
+  }
+  const v8 acc = acc0 + acc1;
   float sum = 0;
-  for (int l = 0; l < 16; ++l) sum += acc[l];
-  return sum + tail;
+  for (int l = 0; l < 8; ++l) sum += acc[l];
+  for (; k < K; ++k) sum += x[k] * a[k];
+  return sum;
+}
+
+// acc[c] = sum over r < rank, in order, of h[r] * b[r * N + c] for c in [0, n), n <= kCols:
+// whole groups of eight columns in registers, the rest one by one.
+inline void expand(const float* h, const float* b, int64_t N, int64_t rank, int64_t n,
+                   float* acc) {
+  const int64_t groups = n / 8;
+  v8 sums[kCols / 8] = {};
+  float tail[8] = {};
+  for (int64_t r = 0; r < rank; ++r) {
+    const float* row = b + r * N;
+    const v8 hv = {h[r], h[r], h[r], h[r], h[r], h[r], h[r], h[r]};
+    for (int64_t g = 0; g < groups; ++g) sums[g] += hv * load8(row + 8 * g);
+    for (int64_t c = groups * 8; c < n; ++c) tail[c - groups * 8] += h[r] * row[c];
+  }
+  for (int64_t g = 0; g < groups; ++g) store8(acc + 8 * g, sums[g]);
+  for (int64_t c = groups * 8; c < n; ++c) acc[c] = tail[c - groups * 8];
 }
 
 template <typename T>
-void add_rows(torch::Tensor& out, const std::vector<float>& delta, const int64_t* slots,
-              int64_t rows, int64_t N) {
-  T* o = out.data_ptr<T>();
-  const int64_t stride = out.stride(0);
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slots[t] < 0) continue;
-      const float* d = delta.data() + t * N;
-      T* row = o + t * stride;
-      for (int64_t n = 0; n < N; ++n) row[n] = static_cast<T>(static_cast<float>(row[n]) + d[n]);
-    }
-  });
+inline void add_to(T* row, const float* acc, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) row[c] = static_cast<T>(static_cast<float>(row[c]) + acc[c]);
 }
+
+// A run of rows with one adapter slot (rows[begin, end) of the row order).
+struct Segment {
+  int64_t slot, begin, end;
+};
 
 }  // namespace
 
@@ -63,6 +92,8 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor slots, torch::Te
                   Bt.size(2) == N && A.size(0) == Bt.size(0),
               "lora_add: A [S, shards*R, K] and Bt [S, R, N] float32 expected");
   TORCH_CHECK(out.stride(1) == 1, "lora_add: out's rows must be contiguous");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              "lora_add: out must be float32 or bfloat16");
   const int64_t R = Bt.size(1), shards = shard_cols.numel() - 1, width = shards * R;
   TORCH_CHECK(A.size(1) == width, "lora_add: A has ", A.size(1), " rows, expected ", width);
   const auto xf = x.to(at::kFloat).contiguous();
@@ -76,41 +107,56 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor slots, torch::Te
   const float* ap = A.data_ptr<float>();
   const float* bp = Bt.data_ptr<float>();
 
-  // Shrink: h[t, i * R + r] = x[t] . A[s, i * R + r], for r below the slot's rank.
-  std::vector<float> h(T * width, 0.0f);
-  at::parallel_for(0, T * width, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t t = j / width, r = (j % width) % R;
-      if (s[t] < 0 || r >= rk[s[t]]) continue;
-      h[j] = dot(xp + t * K, ap + (s[t] * width + j % width) * K, K);
+  // Rows grouped by slot (stable), so that each A and Bt row is read once per adapter.
+  std::vector<int64_t> order;
+  for (int64_t t = 0; t < T; ++t)
+    if (s[t] >= 0 && rk[s[t]] > 0) order.push_back(t);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return s[a] < s[b]; });
+  std::vector<Segment> segments;
+  for (int64_t i = 0; i < static_cast<int64_t>(order.size()); ++i) {
+    if (segments.empty() || s[order[i]] != segments.back().slot)
+      segments.push_back({s[order[i]], i, i});
+    segments.back().end = i + 1;
+  }
+  const int64_t num_seg = static_cast<int64_t>(segments.size());
+  if (num_seg == 0) return;
+
+  // Shrink: h[i, j] = x[order[i]] . A[slot, j] for j's rank index below the slot's rank.
+  std::vector<float> h(order.size() * width, 0.0f);
+  at::parallel_for(0, num_seg * width, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const Segment& seg = segments[item / width];
+      const int64_t j = item % width;
+      if (j % R >= rk[seg.slot]) continue;
+      const float* a = ap + (seg.slot * width + j) * K;  // read once, from L1 after row one
+      for (int64_t i = seg.begin; i < seg.end; ++i) h[i * width + j] = dot(xp + order[i] * K, a, K);
     }
   });
-  // Expand: delta[t, n] = sum over r of h[t, shard(n) * R + r] * Bt[s, r, n], r in order.
-  std::vector<float> delta(T * N, 0.0f);
-  constexpr int64_t kCols = 64;
+  // Expand: out[t, n] += sum over r (in order) of h[t, shard(n) * R + r] * Bt[slot, r, n].
   const int64_t col_blocks = (N + kCols - 1) / kCols;
-  at::parallel_for(0, T * col_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t t = j / col_blocks;
-      if (s[t] < 0) continue;
-      const int64_t n0 = (j % col_blocks) * kCols, n1 = std::min(N, n0 + kCols);
-      float* d = delta.data() + t * N;
-      for (int64_t i = 0; i < shards; ++i) {
-        const int64_t lo = std::max(n0, cols[i]), hi = std::min(n1, cols[i + 1]);
-        for (int64_t r = 0; r < rk[s[t]]; ++r) {
-          const float hv = h[t * width + i * R + r];
-          const float* b = bp + (s[t] * R + r) * N;
-          for (int64_t n = lo; n < hi; ++n) d[n] += hv * b[n];
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  const int64_t stride = out.stride(0);
+  at::parallel_for(0, num_seg * col_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const Segment& seg = segments[item / col_blocks];
+      const int64_t n0 = (item % col_blocks) * kCols, n1 = std::min(N, n0 + kCols);
+      const int64_t rank = rk[seg.slot];
+      for (int64_t i = seg.begin; i < seg.end; ++i) {
+        const int64_t t = order[i];
+        for (int64_t sh = 0; sh < shards; ++sh) {
+          const int64_t lo = std::max(n0, cols[sh]), hi = std::min(n1, cols[sh + 1]);
+          if (lo >= hi) continue;
+          float acc[kCols];
+          expand(h.data() + i * width + sh * R, bp + seg.slot * R * N + lo, N, rank, hi - lo,
+                 acc);
+          if (bf16)
+            add_to(out.data_ptr<c10::BFloat16>() + t * stride + lo, acc, hi - lo);
+          else
+            add_to(out.data_ptr<float>() + t * stride + lo, acc, hi - lo);
         }
       }
     }
   });
-  if (out.scalar_type() == at::kFloat)
-    add_rows<float>(out, delta, s, T, N);
-  else if (out.scalar_type() == at::kBFloat16)
-    add_rows<c10::BFloat16>(out, delta, s, T, N);
-  else
-    TORCH_CHECK(false, "lora_add: out must be float32 or bfloat16");
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {

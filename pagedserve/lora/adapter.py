@@ -186,8 +186,10 @@ def _pair_tensors(tensors: dict[str, torch.Tensor], where: str
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
-            raise ValueError(f"{where}: tensor {key!r} is not a lora_A / lora_B weight "
-                             "(embedding LoRA, DoRA magnitudes and saved modules are not served)")
+            raise ValueError(f"{where}: tensor {key!r} is not the lora_A / lora_B weight of a "
+                             "projection (LoRA applies to q/k/v/o/gate/up/down; LoRA on "
+                             "lm_head or embeddings, DoRA magnitudes and saved modules are "
+                             "not served)")
         found.setdefault(match["module"], {})[match["ab"]] = tensor
     pairs = {}
     for module, ab in found.items():
