@@ -13,6 +13,13 @@ so a request in the step being computed counts as running, and again after the s
 to ``PrometheusStatLogger.record``; the collectors are thread-safe, and ``/metrics`` renders
 them with ``render()``. Times are seconds on the ``time.monotonic`` clock.
 
+With LoRA (``max_lora`` given) there is also vLLM's ``vllm:lora_requests_info``: a gauge
+without ``model_name`` / ``engine`` labels whose labels are ``max_lora`` (``--max-loras``),
+``running_lora_adapters`` and ``waiting_lora_adapters`` (the adapter names of the running
+and waiting requests, sorted and comma-joined; "" for none) and whose value is the Unix time
+of the update; each update sets the series of the current labels, so the newest value marks
+the current state (the Gateway API inference extension reads it that way).
+
 pagedserve extra (not a vLLM name): ``pagedserve:iteration_num_seqs``, a histogram of the
 number of sequences that produced a token in one engine step (the decode batch size).
 """
@@ -58,6 +65,9 @@ class SchedulerStats:
     ``kv_cache_usage`` is the fraction (0-1) of KV blocks held by requests;
     ``prefix_cache_queries`` / ``prefix_cache_hits`` are cumulative token counts and
     ``num_preemptions`` a cumulative count (the logger turns them into counter increments).
+    ``running_lora_adapters`` / ``waiting_lora_adapters`` count the running and waiting
+    requests per LoRA adapter name (base-model requests are not counted), as vLLM's
+    ``IterationStats`` do; None when the engine serves no adapters.
     """
 
     num_running_reqs: int = 0
@@ -67,6 +77,9 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     spec_decoding: SpecDecodingStats | None = None  # cumulative; None: no speculation
+    # LoRA adapter name -> requests running / waiting with it; None: LoRA is off
+    running_lora_adapters: dict[str, int] | None = None
+    waiting_lora_adapters: dict[str, int] | None = None
 
 
 @dataclass
@@ -176,11 +189,15 @@ class PrometheusStatLogger:
             None, so several servers can live in one process (tests).
         engine_indexes: the engines (data-parallel replicas) whose series are exported, each
             labelled ``engine="<index>"`` as vLLM's; there is no unlabelled sum.
+        max_lora: ``--max-loras`` when the engine serves LoRA adapters (exports
+            ``vllm:lora_requests_info``), else None.
+
+    Raises ``ValueError`` for ``max_lora`` with several engines (LoRA is served by one).
     """
 
     def __init__(self, model_name: str, max_model_len: int,
                  registry: CollectorRegistry | None = None,
-                 engine_indexes: Sequence[int] = (0,)) -> None:
+                 engine_indexes: Sequence[int] = (0,), max_lora: int | None = None) -> None:
         if registry is None:
             registry = CollectorRegistry(auto_describe=True)
             for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
@@ -201,6 +218,16 @@ class PrometheusStatLogger:
 
         self._engines = {i: _EngineMetrics(family, model_name, str(i), max_model_len)
                          for i in self.engine_indexes}
+        self.max_lora = max_lora
+        self._lora_info: Gauge | None = None
+        if max_lora is not None:
+            if len(self.engine_indexes) > 1:
+                raise ValueError("vllm:lora_requests_info: LoRA adapters are served by one "
+                                 "engine, not data-parallel replicas")
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info", "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=registry)
 
     def log_cache_config_info(self, info: Mapping[str, str]) -> None:
         """Export ``vllm:cache_config_info``: a gauge of value 1 whose labels are the KV
@@ -217,6 +244,13 @@ class PrometheusStatLogger:
         """Update engine ``engine_idx``'s series; safe to call from the engine thread (or a
         replica's reader thread) while scraped."""
         self._engines[engine_idx].record(scheduler_stats, iteration_stats)
+        if (self._lora_info is not None and scheduler_stats is not None
+                and scheduler_stats.running_lora_adapters is not None):
+            self._lora_info.labels(
+                max_lora=str(self.max_lora),
+                waiting_lora_adapters=",".join(sorted(scheduler_stats.waiting_lora_adapters or {})),
+                running_lora_adapters=",".join(sorted(scheduler_stats.running_lora_adapters)),
+            ).set_to_current_time()
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format (``CONTENT_TYPE``)."""

@@ -48,7 +48,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
 
-    def add_request(self, rid, prompt, params, arrival_time=None):
+    lora_config = None  # no LoRA adapters
+
+    def add_request(self, rid, prompt, params, arrival_time=None, lora_request=None):
         self.thread_ids.add(threading.get_ident())
         if prompt == "bad":
             raise ValueError("prompt is bad")

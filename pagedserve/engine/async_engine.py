@@ -55,6 +55,7 @@ from pagedserve.engine.request_tracker import (
     RequestTracker,
 )
 from pagedserve.executor.base import EngineDeadError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -183,19 +184,27 @@ class AsyncLLM:
             self._cond.notify()
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it.
 
         ``prompt``: text, token ids or ``{"prompt_token_ids": [...]}``. ``arrival_time``:
         ``time.monotonic()`` when the request arrived (default now); latency metrics start
-        there. Raises ``ValueError`` (bad prompt or parameters, as ``LLMEngine.add_request``)
-        or ``EngineClosedError``; nothing is queued then.
+        there. ``lora_request``: its LoRA adapter (None: the base model); one not yet
+        registered is loaded by the engine thread, between steps (the server registers its
+        adapters beforehand, loading them off that thread). Raises ``ValueError`` (bad
+        prompt, parameters or adapter, as ``LLMEngine.add_request``) or
+        ``EngineClosedError``; nothing is queued then.
+
+        The command is queued before this coroutine first suspends: commands submitted by
+        the same event loop reach the engine in the order their coroutines were started.
         """
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self)
         future: concurrent.futures.Future = concurrent.futures.Future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._submit(AddCommand(request_id, prompt, params, arrival, stream, loop, future))
+        self._submit(AddCommand(request_id, prompt, params, arrival, stream, loop, future,
+                                lora_request))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -204,18 +213,21 @@ class AsyncLLM:
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its cumulative outputs until it finishes (vLLM's
         ``AsyncLLM.generate``). Closing the generator early aborts the request. Raises as
         ``add_request`` and ``RequestStream.get``."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        stream = await self.add_request(request_id, prompt, params, arrival_time, lora_request)
         async for out in stream:
             yield out
 
     async def run_between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps (waking an idle
-        engine) and return its result; for observers such as the dashboard's snapshots.
-        ``fn`` must be quick and must not change the engine. Raises what ``fn`` raises, or
+        engine) and return its result: observers (the dashboard's snapshots) and the
+        server's adapter registrations (``loras.add`` of an adapter read on another
+        thread, ``remove_lora``). ``fn`` must be quick (the next step waits for it) and may
+        change the engine only through its public methods. Raises what ``fn`` raises, or
         ``EngineClosedError``."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(CallCommand(fn, future))

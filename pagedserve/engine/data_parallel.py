@@ -33,6 +33,7 @@ import torch
 from pagedserve.args import EngineArgs
 from pagedserve.engine.replica import ReplicaActor, ReplicaSummary, replica_cpus, run_replica
 from pagedserve.engine.request_stream import EngineClosedError, EngineStepError, RequestStream
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -211,9 +212,15 @@ class DataParallelLLM:
         return not self._closing and not self._dead
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """As ``AsyncLLM.add_request``: routes the request to the replica with the fewest
-        waiting, then running requests."""
+        waiting, then running requests. Raises ``ValueError`` for a ``lora_request``: LoRA
+        adapters are served by one replica only (``LLMEngine`` refuses ``enable_lora`` with
+        data parallelism)."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not served with data parallelism "
+                             "(--data-parallel-size > 1)")
         loop = asyncio.get_running_loop()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         routed = _Routed(-1, RequestStream(request_id, self), loop, loop.create_future())
@@ -233,9 +240,10 @@ class DataParallelLLM:
         return routed.stream
 
     async def generate(self, prompt, params: SamplingParams, request_id: str,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """As ``AsyncLLM.generate``."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
+                       arrival_time: float | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """As ``AsyncLLM.generate`` (``lora_request`` is refused, as by ``add_request``)."""
+        stream = await self.add_request(request_id, prompt, params, arrival_time, lora_request)
         async for out in stream:
             yield out
 

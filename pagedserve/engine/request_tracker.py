@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.engine.request_stream import EngineStepError, RequestStream
+from pagedserve.lora.request import LoRARequest
 from pagedserve.metrics import FinishedRequestStats, IterationStats, SchedulerStats
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -27,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class AddCommand:
-    """Add a request; ``future`` gets None once the engine took it, else its error."""
+    """Add a request (with ``lora_request``'s adapter if given); ``future`` gets None once
+    the engine took it, else its error."""
 
     request_id: str
     prompt: PromptType
@@ -36,6 +38,7 @@ class AddCommand:
     stream: RequestStream
     loop: asyncio.AbstractEventLoop
     future: concurrent.futures.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -106,7 +109,7 @@ class RequestTracker:
             elif cmd.future.set_running_or_notify_cancel():
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                            cmd.arrival_time)
+                                            cmd.arrival_time, lora_request=cmd.lora_request)
                 except Exception as err:  # ValueError: bad input; anything else: a bug
                     if not isinstance(err, ValueError):
                         logger.exception("add_request(%r) failed", cmd.request_id)
@@ -231,6 +234,10 @@ class RequestTracker:
         try:
             kv = self.engine.kv_cache_stats()
             sched = self.engine.scheduler
+            running = waiting = None
+            if self.engine.lora_config is not None:
+                running = _count_adapters(sched.running_requests())
+                waiting = _count_adapters(sched.waiting_requests())
             self.stat_logger.record(SchedulerStats(
                 num_running_reqs=sched.num_running,
                 num_waiting_reqs=sched.num_waiting,
@@ -239,9 +246,20 @@ class RequestTracker:
                 prefix_cache_hits=kv.prefix_cache_hits,
                 num_preemptions=sched.num_preemptions,
                 spec_decoding=self.engine.spec_decoding_stats(),
+                running_lora_adapters=running,
+                waiting_lora_adapters=waiting,
             ), stats)
         except Exception:  # pragma: no cover - metrics never take the engine down
             logger.exception("recording metrics failed")
+
+
+def _count_adapters(requests) -> dict[str, int]:
+    """LoRA adapter name -> how many of ``requests`` (scheduler ``Request``s) use it."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_name is not None:
+            counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+    return counts
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
