@@ -93,6 +93,7 @@ def pool_state(kv: KVCacheManager, scheduler: Scheduler,
 def _request_row(r: Request, tables: dict[str, list[int]], now: float) -> dict:
     return {
         "id": r.request_id,
+        "lora_name": r.lora_name,
         "status": r.status.name.lower(),
         "prompt_tokens": r.num_prompt_tokens,
         "prompt_computed": min(r.num_computed_tokens, r.num_prompt_tokens),
@@ -127,7 +128,8 @@ def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> di
     ``num_blocks``, ``block_size``, ``state`` / ``filled`` as base64 of the little-endian
     arrays above, ``filled_dtype`` (``uint8`` or ``uint16``), ``totals``), ``kv_cache_stats`` (``LLMEngine.kv_cache_stats()``, counted
     by the pool itself), ``running`` / ``waiting`` (request rows: ids and counts, no text;
-    ``age`` in seconds), ``steps`` (the step timeline as columns, oldest first; ``ago`` in
+    ``lora_name``: the request's LoRA adapter, None for the base model; ``age`` in
+    seconds), ``lora`` (whether the engine serves LoRA adapters), ``steps`` (the step timeline as columns, oldest first; ``ago`` in
     seconds before now, ``duration`` in seconds) and ``latency`` (TTFT / TPOT / end-to-end
     percentiles in seconds over ``latency``'s window; empty without one), ``spec_decoding``
     (``spec_decoding()``) and ``snapshot_seconds`` (the engine thread's time spent taking
@@ -157,6 +159,7 @@ def take_snapshot(engine: LLMEngine, latency: LatencyWindow | None = None) -> di
         "kv_cache_stats": asdict(engine.kv_cache_stats()),
         "running": [_request_row(r, tables, now) for r in sched.running_requests()],
         "waiting": [_request_row(r, tables, now) for r in sched.waiting_requests()],
+        "lora": engine.lora_config is not None,
         "steps": steps,
         "latency": latency_percentiles(latency),
         "spec_decoding": spec_decoding(engine.spec_decoding_stats()),

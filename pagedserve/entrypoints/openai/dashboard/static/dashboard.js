@@ -100,6 +100,8 @@ function render(snap) {
   // With data parallelism each replica has its own pool: block ids repeat across them.
   snap.pools.forEach((pool, i) => renderPool(pool, i,
     requests.filter((r) => (r.replica || 0) === pool.replica)));
+  // The adapter column shows only on a server with LoRA adapters (--enable-lora).
+  document.body.classList.toggle("lora", Boolean(snap.lora));
   renderRequests("running", snap.running);
   renderRequests("waiting", snap.waiting);
   renderSteps(snap.steps);
@@ -219,10 +221,11 @@ function renderRequests(which, rows) {
 function requestRow(r) {
   const tr = document.createElement("tr");
   tr.dataset.requestId = r.id;
-  const texts = [r.id, `${r.prompt_computed} / ${r.prompt_tokens}`, r.output_tokens,
-    r.blocks.length, r.cached_tokens, r.preemptions, r.age.toFixed(1) + " s"];
-  // textContent only: ids come from clients and are never parsed as HTML.
+  const texts = [r.id, r.lora_name || "base", `${r.prompt_computed} / ${r.prompt_tokens}`,
+    r.output_tokens, r.blocks.length, r.cached_tokens, r.preemptions, r.age.toFixed(1) + " s"];
+  // textContent only: ids and adapter names come from clients, never parsed as HTML.
   for (const text of texts) tr.insertCell().textContent = text;
+  tr.cells[1].className = "adapter";
   const swatch = document.createElement("span");
   swatch.className = "swatch";
   swatch.style.background = requestColour(r.id);
@@ -231,7 +234,7 @@ function requestRow(r) {
   bar.className = "bar";
   bar.appendChild(document.createElement("i")).style.width =
     (r.prompt_tokens ? (100 * r.prompt_computed) / r.prompt_tokens : 0) + "%";
-  tr.cells[1].prepend(bar);
+  tr.cells[2].prepend(bar);
   return tr;
 }
 
