@@ -24,7 +24,7 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.prompts: list = []
 
-    async def add_request(self, request_id, prompt, params, arrival_time=None):
+    async def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None):
         self.prompts.append(prompt)
         raise _Added
 

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from pagedserve.args import EngineArgs
+from pagedserve.entrypoints.openai.cli_args import add_lora_server_args
 
 # `pagedserve bench NAME` -> module with add_cli_args(parser) and main(args) -> exit code.
 BENCHMARKS = {
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                        help="how tool calls are found in the text under tool_choice auto "
                             "(hermes: <tool_call>{...}</tool_call> blocks, as Qwen2.5/Qwen3)")
+    add_lora_server_args(serve)
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="log level of the HTTP server")

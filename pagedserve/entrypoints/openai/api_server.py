@@ -8,6 +8,7 @@ event), and exit 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
@@ -21,7 +22,13 @@ from pagedserve.args import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.engine.timeline import LatencyWindow, StatLoggers
 from pagedserve.entrypoints.openai.app import build_app
+from pagedserve.entrypoints.openai.cli_args import (
+    RUNTIME_LORA_ENV,
+    LoRAModulePath,
+    runtime_lora_updating_allowed,
+)
 from pagedserve.entrypoints.openai.serving_engine import ServingContext
+from pagedserve.entrypoints.openai.serving_models import LoRAAdapters
 from pagedserve.metrics import PrometheusStatLogger
 from pagedserve.model_loader.files import DEFAULT_MODEL
 from pagedserve.version import __version__
@@ -127,10 +134,31 @@ def _tool_flags(args: argparse.Namespace) -> tuple[bool, str | None]:
     return auto, parser
 
 
+def _lora_flags(args: argparse.Namespace, engine_args: EngineArgs
+                ) -> tuple[list[LoRAModulePath], bool]:
+    """(``--lora-modules``, whether runtime LoRA updating is allowed). Raises
+    ``ValueError`` for ``--lora-modules`` or ``--allow-runtime-lora-updating`` without
+    ``--enable-lora``; vLLM's environment variable alone is ignored then (with a warning),
+    so that a shared environment does not stop servers without adapters."""
+    modules = getattr(args, "lora_modules", None) or []
+    flag = bool(getattr(args, "allow_runtime_lora_updating", False))
+    runtime = runtime_lora_updating_allowed(flag)
+    if not engine_args.enable_lora:
+        for given, name in ((modules, "--lora-modules"), (flag, "--allow-runtime-lora-updating")):
+            if given:
+                raise ValueError(f"{name} needs --enable-lora")
+        if runtime:
+            logger.warning("%s is set but LoRA is off (no --enable-lora): no runtime "
+                           "adapter endpoints", RUNTIME_LORA_ENV)
+        return [], False
+    return modules, runtime
+
+
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     chat_template = load_chat_template(getattr(args, "chat_template", None))
     auto_tools, tool_parser = _tool_flags(args)
     engine_args = EngineArgs.from_cli_args(args)
+    lora_modules, runtime_lora = _lora_flags(args, engine_args)
     dp = engine_args.data_parallel_size
     if dp > 1:
         from pagedserve.engine.data_parallel import DataParallelLLM
@@ -140,7 +168,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         engine = AsyncLLM.from_engine_args(engine_args)
     core = engine.engine  # with data parallelism: replica 0's summary
     name, aliases = served_names(args, core.model_path)
-    stat_logger = PrometheusStatLogger(name, core.max_model_len, engine_indexes=range(dp))
+    stat_logger = PrometheusStatLogger(
+        name, core.max_model_len, engine_indexes=range(dp),
+        max_lora=engine_args.max_loras if engine_args.enable_lora else None)
     stat_logger.log_cache_config_info(core.cache_config_info())
     latency = None if args.disable_dashboard else LatencyWindow()
     engine.stat_logger = stat_logger if latency is None else StatLoggers(stat_logger, latency)
@@ -148,8 +178,16 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                          model_root=str(core.model_path), tokenizer=core.tokenizer,
                          max_model_len=core.max_model_len, chat_template=chat_template,
                          enable_auto_tool_choice=auto_tools, tool_call_parser=tool_parser)
+    lora_adapters = LoRAAdapters(ctx)
+    if lora_modules:
+        try:
+            asyncio.run(lora_adapters.load_static(lora_modules))
+        except BaseException:
+            engine.shutdown()
+            raise
     app = build_app(ctx, stat_logger, api_key=args.api_key, latency=latency,
-                    enable_dashboard=not args.disable_dashboard)
+                    enable_dashboard=not args.disable_dashboard,
+                    lora_adapters=lora_adapters if runtime_lora else None)
     block_size = core.args.block_size
     logger.info("pagedserve %s: model %s (%s)", __version__, name, core.model_path)
     logger.info("device %s, dtype %s, torch threads %d", core.device,
@@ -160,6 +198,11 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 core.num_blocks, block_size,
                 core.num_blocks * block_size, core.max_model_len,
                 core.scheduler_config.max_num_seqs, core.scheduler_config.max_num_batched_tokens)
+    if engine_args.enable_lora:
+        logger.info("LoRA adapters (max_loras %d, max_lora_rank %d): %s; runtime "
+                    "load/unload %s", engine_args.max_loras, engine_args.max_lora_rank,
+                    ", ".join(f"{m.name} ({m.path})" for m in lora_modules) or "none yet",
+                    "allowed" if runtime_lora else "off")
     url = _url(args.host, args.port)
     logger.info("OpenAI-compatible API at %s/v1 (health: %s/health, metrics: %s/metrics%s)%s",
                 url, url, url, "" if args.disable_dashboard else f", dashboard: {url}/dashboard",

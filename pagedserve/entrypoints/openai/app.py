@@ -2,13 +2,17 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
 (and ``/v1/models/{id}``), plus vLLM's ``GET /health``, ``GET /version``, ``GET /metrics``
-(Prometheus text), ``POST /tokenize``, ``POST /detokenize``, and the live ``/dashboard``
-(``dashboard/``; off with ``--disable-dashboard``).
+(Prometheus text), ``POST /tokenize``, ``POST /detokenize``, the live ``/dashboard``
+(``dashboard/``; off with ``--disable-dashboard``), and with runtime LoRA updating allowed
+``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (``serving_models``;
+without it these routes do not exist: 404, as vLLM). A request's ``model`` may name a LoRA
+adapter (``ServingContext.lora_requests``).
 
 Errors always use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
 bad JSON, bad types, out-of-range values and prompts that do not fit; 401 for a missing or
 wrong key when ``--api-key`` is set (``/v1/*`` as vLLM, and the dashboard's data); 404 for
-an unknown model or route; 503 while shutting down. Bad input never yields a 500.
+an unknown model or route; 409 for unloading a LoRA adapter in use; 503 while shutting
+down. Bad input never yields a 500.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from pagedserve.entrypoints.openai.auth import APIKeyMiddleware
 from pagedserve.entrypoints.openai.dashboard import PROTECTED_PATHS, add_dashboard_routes
 from pagedserve.entrypoints.openai.errors import APIError, install_error_handlers
 from pagedserve.entrypoints.openai.openapi import ERROR_RESPONSES, openapi_document
-from pagedserve.entrypoints.openai.protocol import ModelCard, ModelList
+from pagedserve.entrypoints.openai.protocol import (
+    LoadLoRAAdapterRequest,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
 from pagedserve.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagedserve.entrypoints.openai.protocol_completion import CompletionRequest
 from pagedserve.entrypoints.openai.protocol_tokenize import (
@@ -37,6 +45,7 @@ from pagedserve.entrypoints.openai.protocol_tokenize import (
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import ServingContext
+from pagedserve.entrypoints.openai.serving_models import LoRAAdapters, model_card, model_cards
 from pagedserve.metrics import PrometheusStatLogger
 from pagedserve.tokenizer import encode_text
 from pagedserve.version import __version__
@@ -44,10 +53,12 @@ from pagedserve.version import __version__
 
 def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = None,
               api_key: str | None = None, latency: LatencyWindow | None = None,
-              enable_dashboard: bool = True) -> FastAPI:
+              enable_dashboard: bool = True,
+              lora_adapters: LoRAAdapters | None = None) -> FastAPI:
     """The FastAPI application over a started or unstarted ``ctx.engine`` (the lifespan
     starts it and shuts it down). ``latency``: the window the dashboard's percentiles come
-    from (the engine's stat logger must feed it)."""
+    from (the engine's stat logger must feed it). ``lora_adapters``: serve the runtime
+    LoRA endpoints with it (None: no such routes)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -68,10 +79,6 @@ def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = No
     chat = OpenAIServingChat(ctx)
     app.state.ctx = ctx
     created = int(time.time())
-
-    def model_card() -> ModelCard:
-        return ModelCard(id=ctx.served_model_name, created=created, root=ctx.model_root,
-                         max_model_len=ctx.max_model_len)
 
     # Empty bodies (as vLLM): documented without a JSON content schema.
     @app.get("/health", response_class=Response, responses={
@@ -94,13 +101,13 @@ def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = No
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def list_models() -> Response:
-        return Response(ModelList(data=[model_card()]).model_dump_json(),
+        return Response(ModelList(data=model_cards(ctx, created)).model_dump_json(),
                         media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
     async def retrieve_model(model_id: str) -> Response:
-        ctx.check_model(model_id)
-        return Response(model_card().model_dump_json(), media_type="application/json")
+        card = model_card(ctx, ctx.resolve_model(model_id), created)
+        return Response(card.model_dump_json(), media_type="application/json")
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -109,6 +116,23 @@ def build_app(ctx: ServingContext, stat_logger: PrometheusStatLogger | None = No
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create_chat_completion(body, raw)
+
+    if lora_adapters is not None:
+        @app.post("/v1/load_lora_adapter", response_class=Response, responses={
+            200: {"description": "Loaded (vLLM's text)", "content": {"text/plain": {}}},
+            **ERROR_RESPONSES})
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            """Load a PEFT adapter directory and serve it under ``lora_name``."""
+            text = await lora_adapters.load(body.lora_name, body.lora_path)
+            return Response(text, media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter", response_class=Response, responses={
+            200: {"description": "Unloaded (vLLM's text)", "content": {"text/plain": {}}},
+            **ERROR_RESPONSES})
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            """Stop serving adapter ``lora_name``; 409 while requests use it."""
+            text = await lora_adapters.unload(body.lora_name)
+            return Response(text, media_type="text/plain")
 
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> Response:

@@ -24,6 +24,7 @@ logger = logging.getLogger("pagedserve.server")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                 404: "invalid_request_error", 405: "invalid_request_error",
+                409: "invalid_request_error",
                 413: "invalid_request_error", 422: "invalid_request_error",
                 500: "server_error", 503: "server_error"}
 
@@ -33,7 +34,8 @@ class APIError(Exception):
 
     Args:
         status: HTTP status (400 bad input, 401 bad key, 404 unknown model or route,
-            500 server bug, 503 shutting down).
+            409 a LoRA adapter in use cannot be unloaded, 500 server bug, 503 shutting
+            down).
         message: human-readable explanation.
         param: the request field at fault, if any.
         code: OpenAI's machine-readable code (``model_not_found``, ``invalid_api_key``).

@@ -177,3 +177,27 @@ class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
+
+
+# -- LoRA adapters at runtime (vLLM's endpoints) ----------------------------------------
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """``POST /v1/load_lora_adapter``: a PEFT adapter directory (``lora_path``, on the
+    server's file system) to serve under ``lora_name`` (what requests put in ``model``)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"lora_name": "sql-lora", "lora_path": "/adapters/sql-lora"}]})
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """``POST /v1/unload_lora_adapter``: the adapter to stop serving, by name
+    (``lora_int_id`` is accepted as vLLM's, and ignored)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"lora_name": "sql-lora"}]})
+
+    lora_name: str
+    lora_int_id: int | None = None

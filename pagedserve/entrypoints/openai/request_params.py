@@ -5,12 +5,14 @@ constraint or the engine rejects becomes a 400 naming the request field at fault
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.engine.request_stream import EngineClosedError, RequestStream
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
 from pagedserve.entrypoints.openai.protocol import SamplingFields
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _SAMPLING_NAMES = {
@@ -162,8 +164,15 @@ def _exceeded_max_model_len(message: str) -> int | None:
 async def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params: SamplingParams,
                        arrival_time: float, prompt_param: str = "prompt",
                        indexed: bool = False, constraint: Constraint | None = None,
-                       max_tokens_param: str = "max_tokens") -> list[RequestStream]:
+                       max_tokens_param: str = "max_tokens",
+                       lora: Callable[[], LoRARequest | None] | None = None
+                       ) -> list[RequestStream]:
     """Add one engine request per prompt (ids ``base_id`` or ``base_id-i``); all or none.
+
+    ``lora``: returns the requests' LoRA adapter (None: the base model), called right
+    before each prompt goes to the engine, with no await in between
+    (``ServingContext.current_lora``): it raises ``APIError`` 404 once the adapter is
+    unloaded, so a request never reaches the engine after its adapter's removal.
 
     Raises ``APIError`` 400 for a prompt the engine rejects: ``param`` is the sampling field
     named in the message, else ``prompt_param``, or with ``indexed`` (a batch of prompts)
@@ -177,7 +186,9 @@ async def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params: Sa
     try:
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await engine.add_request(rid, prompt, params, arrival_time))
+            lora_request = None if lora is None else lora()
+            streams.append(await engine.add_request(rid, prompt, params, arrival_time,
+                                                    lora_request=lora_request))
     except BaseException as err:
         for s in streams:
             s.abort()

@@ -11,6 +11,7 @@ message's content starts the reply when that message is the assistant's.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -96,7 +97,7 @@ class OpenAIServingChat:
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """Answer one chat request. Raises ``APIError`` (400, 404, 503)."""
         arrival = time.monotonic()
-        self.ctx.check_model(req.model)
+        lora = self.ctx.resolve_model(req.model)
         mode = tool_mode(req, self.ctx.enable_auto_tool_choice)
         constraint = request_constraint(req, tool_schema(mode, req.parallel_tool_calls is not False))
         if req.top_logprobs is not None and not req.logprobs:
@@ -114,15 +115,19 @@ class OpenAIServingChat:
                                      prompt_param="messages", constraint=constraint,
                                      max_tokens_param=("max_completion_tokens"
                                                        if req.max_completion_tokens
-                                                       else "max_tokens"))
+                                                       else "max_tokens"),
+                                     lora=functools.partial(self.ctx.current_lora, lora))
         echo = echo_text(req.messages) if req.echo else ""
+        model = self.ctx.model_name(lora)
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, streams, top, echo, mode),
-                                     media_type="text/event-stream")
-        return await until_disconnected(raw, self._full(request_id, streams, top, echo, mode))
+            return StreamingResponse(
+                self._stream(req, request_id, streams, top, echo, mode, model),
+                media_type="text/event-stream")
+        return await until_disconnected(
+            raw, self._full(request_id, streams, top, echo, mode, model))
 
     async def _full(self, request_id: str, streams, top: int | None, echo: str,
-                    mode: ToolMode) -> Response:
+                    mode: ToolMode, model: str) -> Response:
         final: RequestOutput | None = None
         try:
             async for _, out in merge_streams(streams):
@@ -140,15 +145,15 @@ class OpenAIServingChat:
                 index=c.index, message=ChatMessageResponse(content=content, tool_calls=calls),
                 logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        body = ChatCompletionResponse(id=request_id, model=self.ctx.served_model_name,
+        body = ChatCompletionResponse(id=request_id, model=model,
                                       choices=choices, usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, streams,
-                      top: int | None, echo: str, mode: ToolMode) -> AsyncIterator[str]:
+                      top: int | None, echo: str, mode: ToolMode,
+                      model: str) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        model = self.ctx.served_model_name
         n = req.n or 1
         sent_text = [0] * n
         sent_tokens = [0] * n

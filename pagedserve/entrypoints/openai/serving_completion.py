@@ -10,6 +10,7 @@ per choice, and choice numbering (``prompt_index * n + sample_index``).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -105,7 +106,7 @@ class OpenAIServingCompletion:
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         """Answer one completions request. Raises ``APIError`` (400, 404, 503)."""
         arrival = time.monotonic()
-        self.ctx.check_model(req.model)
+        lora = self.ctx.resolve_model(req.model)
         batch = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(
             req.prompt[0], int)
         if req.suffix is not None:
@@ -130,11 +131,13 @@ class OpenAIServingCompletion:
                                  constraint)
         request_id = random_id("cmpl")
         streams = await add_requests(self.ctx.engine, request_id, prompts, params, arrival,
-                                     indexed=batch, constraint=constraint)
+                                     indexed=batch, constraint=constraint,
+                                     lora=functools.partial(self.ctx.current_lora, lora))
+        model = self.ctx.model_name(lora)
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, streams, n),
+            return StreamingResponse(self._stream(req, request_id, streams, n, model),
                                      media_type="text/event-stream")
-        return await until_disconnected(raw, self._full(req, request_id, streams, n))
+        return await until_disconnected(raw, self._full(req, request_id, streams, n, model))
 
     async def _tokenized(self, prompts: list[str | dict], batch: bool) -> list[str | dict]:
         """Text prompts tokenized on the tokenizer thread (``{"prompt", "prompt_token_ids"}``):
@@ -169,7 +172,8 @@ class OpenAIServingCompletion:
 
         return await self.ctx.run_tokenizer(decode)
 
-    async def _full(self, req: CompletionRequest, request_id: str, streams, n: int) -> Response:
+    async def _full(self, req: CompletionRequest, request_id: str, streams, n: int,
+                    model: str) -> Response:
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             async for i, out in merge_streams(streams):
@@ -203,15 +207,14 @@ class OpenAIServingCompletion:
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     prompt_logprobs=prompt_logprobs))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        body = CompletionResponse(id=request_id, model=self.ctx.served_model_name,
+        body = CompletionResponse(id=request_id, model=model,
                                   choices=choices, usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _stream(self, req: CompletionRequest, request_id: str, streams,
-                      n: int) -> AsyncIterator[str]:
+                      n: int, model: str) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        model = self.ctx.served_model_name
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         builders: dict[int, LogprobsBuilder] = {}

@@ -19,6 +19,7 @@ from pagedserve.engine.async_engine import AsyncLLM
 from pagedserve.entrypoints.openai.errors import APIError
 from pagedserve.entrypoints.openai.protocol import MIN_LOGPROB
 from pagedserve.entrypoints.openai.protocol_chat import ChatMessage
+from pagedserve.lora.request import LoRARequest
 
 T = TypeVar("T")
 
@@ -50,6 +51,8 @@ class ServingContext:
         chat_template: ``--chat-template``'s template text, or None for the model's.
         enable_auto_tool_choice: ``--enable-auto-tool-choice`` (``tool_choice: "auto"``
             parses calls from the text with ``tool_call_parser``).
+        lora_requests: the LoRA adapters served, by name (a request's ``model``); changed
+            only by ``serving_models.LoRAAdapters``, on the event loop.
     """
 
     engine: AsyncLLM
@@ -64,12 +67,37 @@ class ServingContext:
     chat_template: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    lora_requests: dict[str, LoRARequest] = field(default_factory=dict)
 
-    def check_model(self, name: str | None) -> None:
-        """Raise a 404 unless ``name`` is None or one of the served model's names."""
-        if name is not None and name not in self.model_aliases:
+    def resolve_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, or None for the base model (any of
+        its names, or no ``model``). Raises ``APIError`` 404 for an unknown name."""
+        if name is None or name in self.model_aliases:
+            return None
+        lora = self.lora_requests.get(name)
+        if lora is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model",
                            code="model_not_found")
+        return lora
+
+    def check_model(self, name: str | None) -> None:
+        """Raise a 404 unless ``name`` is None, one of the served model's names or a LoRA
+        adapter's (which shares the base model's tokenizer)."""
+        self.resolve_model(name)
+
+    def current_lora(self, lora: LoRARequest | None) -> LoRARequest | None:
+        """``lora`` if it is still served (None: the base model, always served). Raises
+        ``APIError`` 404 once it has been unloaded: call it right before the engine gets a
+        request, so that a request never brings back an unloaded adapter."""
+        if lora is not None and self.lora_requests.get(lora.lora_name) is not lora:
+            raise APIError(404, f"The model `{lora.lora_name}` does not exist.", param="model",
+                           code="model_not_found")
+        return lora
+
+    def model_name(self, lora: LoRARequest | None) -> str:
+        """The ``model`` of a response: the adapter's name, else the served model name
+        (vLLM's rule)."""
+        return self.served_model_name if lora is None else lora.lora_name
 
     async def run_tokenizer(self, fn: Callable[..., T], *args) -> T:
         """Run ``fn(*args)`` on the tokenizer thread."""
