@@ -3,6 +3,7 @@ one run.
 
     python benchmarks/lora.py make-adapters --out /tmp/adapters --num 8 --rank 16
     python benchmarks/lora.py compare --adapters /tmp/adapters/* --rounds 2
+    python benchmarks/lora.py lone --adapters /tmp/adapters/adapter-0
 
 ``make-adapters`` writes PEFT LoRA adapters (``adapter_config.json`` +
 ``adapter_model.safetensors``, the files ``PeftModel.save_pretrained`` writes) with random
@@ -15,7 +16,9 @@ what it says.
 workload with no adapter and with request i on adapter ``i mod N``, alternating
 ``--rounds`` times; prints output tokens/s of each run, the best-run ratio (target >= 0.8)
 and the mean decode-only step time of each, whose difference is the LoRA share of a step.
-The machine's CPU model and flags are printed first.
+``lone``: one request alone (a workload prompt, ``--max-tokens`` greedy tokens), without
+and with the first adapter, alternating; prints decode tokens/s of each. The machine's CPU
+model and flags are printed first.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def compare(args: argparse.Namespace) -> None:
     print(cpu_line())
     engine = LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization,
                                   enable_lora=True, max_loras=len(args.adapters),
-                                  max_lora_rank=args.max_lora_rank))
+                                  max_lora_rank=args.max_lora_rank, lora_dtype=args.lora_dtype))
     dataset = argparse.ArgumentParser()
     datasets.add_dataset_args(dataset)
     ns = dataset.parse_args(["--dataset-name", "workload"])
@@ -105,6 +108,37 @@ def compare(args: argparse.Namespace) -> None:
           f"ms LoRA ({(lora_step - base_step) / lora_step:.0%} of the step)")
 
 
+def lone(args: argparse.Namespace) -> None:
+    import time
+
+    from pagedserve import LLM, LoRARequest, SamplingParams
+    from pagedserve.benchmarks import datasets
+
+    print(cpu_line())
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, enable_lora=True,
+              max_lora_rank=args.max_lora_rank, lora_dtype=args.lora_dtype,
+              enable_prefix_caching=False)
+    record = json.loads((datasets.DEFAULT_DATA_DIR / "smollm2_workload_64.jsonl")
+                        .read_text().splitlines()[0])
+    prompt = {"prompt_token_ids": record["prompt_token_ids"]}
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    lora = LoRARequest("lora-0", 1, args.adapters[0])
+    best = {"base": 0.0, "lora": 0.0}
+    for _ in range(args.rounds):
+        for name, request in (("base", None), ("lora", lora)):
+            t0 = time.perf_counter()
+            llm.generate(prompt, first, use_tqdm=False, lora_request=request)
+            t1 = time.perf_counter()
+            llm.generate(prompt, params, use_tqdm=False, lora_request=request)
+            t2 = time.perf_counter()
+            rate = (args.max_tokens - 1) / ((t2 - t1) - (t1 - t0))
+            best[name] = max(best[name], rate)
+            print(f"{name:5s} lone request: {rate:6.1f} decode tok/s")
+    print(f"lone request with an adapter / without: {best['lora'] / best['base']:.3f} "
+          f"(best of {args.rounds})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,12 +154,21 @@ def main() -> None:
     cmp.add_argument("--dtype", default="auto")
     cmp.add_argument("--quantization", default=None)
     cmp.add_argument("--max-lora-rank", type=int, default=16)
+    cmp.add_argument("--lora-dtype", default="auto")
     cmp.add_argument("--rounds", type=int, default=2)
+    solo = sub.add_parser("lone")
+    for option, default in (("--model", None), ("--dtype", "auto"), ("--quantization", None)):
+        solo.add_argument(option, default=default)
+    solo.add_argument("--adapters", nargs="+", required=True)
+    solo.add_argument("--max-lora-rank", type=int, default=16)
+    solo.add_argument("--lora-dtype", default="auto")
+    solo.add_argument("--max-tokens", type=int, default=128)
+    solo.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.command == "make-adapters":
         make_adapters(args.model, args.out, args.num, args.rank, args.seed)
     else:
-        compare(args)
+        {"compare": compare, "lone": lone}[args.command](args)
 
 
 if __name__ == "__main__":

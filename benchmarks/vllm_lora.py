@@ -38,7 +38,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
-    reqs = [json.loads(line) for line in open(args.workload)]
+    reqs = [json.loads(line) for line in pathlib.Path(args.workload).read_text().splitlines()]
     llm = LLM(model=args.model, dtype=args.dtype, seed=0, max_model_len=2048, enable_lora=True,
               max_loras=len(args.adapters), max_lora_rank=args.max_lora_rank)
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in reqs]

@@ -53,6 +53,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -147,6 +148,10 @@ class EngineArgs:
         parser.add_argument("--max-cpu-loras", type=int, default=None,
                             help="adapters kept loaded in memory, least recently used "
                                  "evicted (default: --max-loras)")
+        parser.add_argument("--lora-dtype", default=d.lora_dtype,
+                            choices=["auto", "float32", "bfloat16"],
+                            help="dtype the adapters are held in (auto: the model's); "
+                                 "bfloat16 halves the bytes a step reads per adapter")
         return parser
 
     @classmethod

@@ -259,6 +259,35 @@ def test_mixed_batch_matches_peft(family, monkeypatch):
     assert reloads, "no adapter was evicted and read again"
 
 
+def test_bfloat16_adapter_weights(llama):
+    """``lora_dtype="bfloat16"`` holds the adapters rounded to bfloat16 (on a float32
+    model): PEFT with its lora_A / lora_B rounded the same way is the reference (these
+    adapters' scale is 2, so rounding B * scale equals scaling rounded B), and the
+    logprobs moved off the float32 adapter's (the rounding really happened)."""
+    llm = _engine(llama.path, lora_dtype="bfloat16")
+    names = ["all7", "qv"]
+    pairs = [(a, i) for i in range(len(llama.prompts)) for a in names]
+    outs = _generate(llm, [llama.prompts[i] for _, i in pairs], [llama.lora(a) for a, _ in pairs])
+    moved = False
+    for a in names:
+        model = peft_model(llama.path, llama.model_cls, llama.adapters[a])
+        with torch.no_grad():
+            for pname, param in model.named_parameters():
+                if "lora_" in pname:
+                    param.copy_(param.bfloat16().float())
+        for (name, i), out in zip(pairs, outs):
+            if name != a:
+                continue
+            got = out.outputs[0]
+            assert got.token_ids == hf_greedy(model, llama.prompts[i], MAX_TOKENS, None), (a, i)
+            ours = [got.logprobs[k][t].logprob for k, t in enumerate(got.token_ids)]
+            want = token_logprobs(model, llama.prompts[i], list(got.token_ids))
+            assert ours == pytest.approx(want, abs=1e-4), (a, i)
+            if got.token_ids == llama.refs[a, i]:
+                moved |= ours != pytest.approx(llama.ref_logprobs[a, i], abs=1e-6)
+    assert moved
+
+
 # -- 3. a request alone == in a mixed batch, bit for bit -----------------------------------
 
 

@@ -72,10 +72,14 @@ def _inputs(dtype: torch.dtype, seed: int = 1, rows: int = len(SLOTS)):
     return out, x
 
 
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_add_matches_float64_reference(dtype):
+def test_lora_add_matches_float64_reference(dtype, weights):
+    """Outputs in float32 and bfloat16, adapters held in float32 and bfloat16
+    (``--lora-dtype``; the reference reads the same rounded values)."""
     ops = load_cpu_ops()
     a, bt, ranks, cols = _stack(0)
+    a, bt = a.to(weights), bt.to(weights)
     out, x = _inputs(dtype)
     base = out.clone()
     want = _reference(out, x, SLOTS, a, bt)
@@ -110,12 +114,14 @@ def test_lora_add_strided_out_rows():
     assert torch.equal(buffer[:, N:], before[:, N:])
 
 
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_add_rows_invariant(dtype):
+def test_lora_add_rows_invariant(dtype, weights):
     """A row's result alone equals its result in any batch (other rows, other slots, other
     order), bit for bit."""
     ops = load_cpu_ops()
     a, bt, ranks, cols = _stack(5)
+    a, bt = a.to(weights), bt.to(weights)
     rows = 37  # more rows than one parallel chunk
     out, x = _inputs(dtype, seed=6, rows=rows)
     slots = torch.tensor([SLOTS[(7 * t) % len(SLOTS)] for t in range(rows)])
@@ -144,8 +150,10 @@ def test_lora_add_rejects_mismatched_shapes():
         ops.lora_add(out, x, torch.tensor(SLOTS[:-1]), a, bt, ranks, cols)
     with pytest.raises(RuntimeError, match="A has"):
         ops.lora_add(out, x, torch.tensor(SLOTS), a[:, :-1].contiguous(), bt, ranks, cols)
-    with pytest.raises(RuntimeError, match="float32 expected"):
-        ops.lora_add(out, x, torch.tensor(SLOTS), a.double(), bt, ranks, cols)
+    with pytest.raises(RuntimeError, match="both float32 or bfloat16"):
+        ops.lora_add(out, x, torch.tensor(SLOTS), a.double(), bt.double(), ranks, cols)
+    with pytest.raises(RuntimeError, match="both float32 or bfloat16"):
+        ops.lora_add(out, x, torch.tensor(SLOTS), a.bfloat16(), bt, ranks, cols)
 
 
 def _projection(gen: torch.Generator, rank: int, shards: set[int]) -> ProjectionLoRA:
@@ -275,3 +283,7 @@ def test_lora_config_limits():
     for bad in ({"max_loras": 0}, {"max_lora_rank": 0}, {"max_loras": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LoRAConfig(**bad)
+    with pytest.raises(ValueError, match="lora_dtype must be one of auto, float32, bfloat16"):
+        LoRAConfig(lora_dtype="float16")
+    assert LoRAConfig().stack_dtype(torch.bfloat16) == torch.bfloat16  # auto: the model's
+    assert LoRAConfig(lora_dtype="bfloat16").stack_dtype(torch.float32) == torch.bfloat16

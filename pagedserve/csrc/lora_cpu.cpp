@@ -5,7 +5,7 @@
 // each A and Bt row is read once per step, no per-adapter products from Python.
 //
 // Layout (pagedserve/lora/layers.py, LoRAStack): A [S, shards * R, K] and Bt [S, R, N]
-// float32, R the slots' width (max_lora_rank); a fused projection (q/k/v, gate/up) has one
+// float32 or bfloat16 (--lora-dtype; widened exactly as read), R the slots' width (max_lora_rank); a fused projection (q/k/v, gate/up) has one
 // A per shard, and column n of shard i reads only rows [i * R, i * R + rank) of the
 // shrunk row. ranks [S]: the rank in use per slot (the loops stop there, so a rank-8
 // adapter in a rank-64 slot costs rank 8). shard_cols [shards + 1]: column boundaries.
@@ -33,12 +33,23 @@ inline v8 load8(const float* p) {
   return v;
 }
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
+// Eight bfloat16 as floats: each is the top half of its float32, so widening is exact.
+inline v8 load8(const c10::BFloat16* p) {
+  uint16_t half[8];
+  std::memcpy(half, p, sizeof(half));
+  uint32_t bits[8];
+  for (int l = 0; l < 8; ++l) bits[l] = static_cast<uint32_t>(half[l]) << 16;
+  v8 v;
+  std::memcpy(&v, bits, sizeof(v));
+  return v;
+}
 
 constexpr int64_t kCols = 64;  // output columns of one expand work item
 
 // x . a over K in a fixed order: two 8-wide running sums over k, then their lanes in
 // order, then the tail; the same instructions for every row of every batch.
-inline float dot(const float* x, const float* a, int64_t K) {
+template <typename W>
+inline float dot(const float* x, const W* a, int64_t K) {
   v8 acc0 = {}, acc1 = {};
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
@@ -48,22 +59,24 @@ inline float dot(const float* x, const float* a, int64_t K) {
   const v8 acc = acc0 + acc1;
   float sum = 0;
   for (int l = 0; l < 8; ++l) sum += acc[l];
-  for (; k < K; ++k) sum += x[k] * a[k];
+  for (; k < K; ++k) sum += x[k] * static_cast<float>(a[k]);
   return sum;
 }
 
 // acc[c] = sum over r < rank, in order, of h[r] * b[r * N + c] for c in [0, n), n <= kCols:
 // whole groups of eight columns in registers, the rest one by one.
-inline void expand(const float* h, const float* b, int64_t N, int64_t rank, int64_t n,
+template <typename W>
+inline void expand(const float* h, const W* b, int64_t N, int64_t rank, int64_t n,
                    float* acc) {
   const int64_t groups = n / 8;
   v8 sums[kCols / 8] = {};
   float tail[8] = {};
   for (int64_t r = 0; r < rank; ++r) {
-    const float* row = b + r * N;
+    const W* row = b + r * N;
     const v8 hv = {h[r], h[r], h[r], h[r], h[r], h[r], h[r], h[r]};
     for (int64_t g = 0; g < groups; ++g) sums[g] += hv * load8(row + 8 * g);
-    for (int64_t c = groups * 8; c < n; ++c) tail[c - groups * 8] += h[r] * row[c];
+    for (int64_t c = groups * 8; c < n; ++c)
+      tail[c - groups * 8] += h[r] * static_cast<float>(row[c]);
   }
   for (int64_t g = 0; g < groups; ++g) store8(acc + 8 * g, sums[g]);
   for (int64_t c = groups * 8; c < n; ++c) acc[c] = tail[c - groups * 8];
@@ -79,34 +92,12 @@ struct Segment {
   int64_t slot, begin, end;
 };
 
-}  // namespace
-
-// out [T, N] (float32 or bfloat16, rows may be strided), x [T, K] (same dtype), slots [T]
-// int64; then A, Bt, ranks, shard_cols as above. Raises (RuntimeError) on mismatched shapes.
-void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor slots, torch::Tensor A,
-              torch::Tensor Bt, torch::Tensor ranks, torch::Tensor shard_cols) {
-  const int64_t T = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(out.size(0) == T && slots.numel() == T, "lora_add: rows of out, x, slots differ");
-  TORCH_CHECK(A.scalar_type() == at::kFloat && Bt.scalar_type() == at::kFloat &&
-                  A.is_contiguous() && Bt.is_contiguous() && A.size(2) == K &&
-                  Bt.size(2) == N && A.size(0) == Bt.size(0),
-              "lora_add: A [S, shards*R, K] and Bt [S, R, N] float32 expected");
-  TORCH_CHECK(out.stride(1) == 1, "lora_add: out's rows must be contiguous");
-  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
-              "lora_add: out must be float32 or bfloat16");
-  const int64_t R = Bt.size(1), shards = shard_cols.numel() - 1, width = shards * R;
-  TORCH_CHECK(A.size(1) == width, "lora_add: A has ", A.size(1), " rows, expected ", width);
-  const auto xf = x.to(at::kFloat).contiguous();
-  const auto slot_idx = slots.to(at::kLong).contiguous();
-  const auto rank_of = ranks.to(at::kLong).contiguous();
-  const auto cols_t = shard_cols.to(at::kLong).contiguous();
-  const int64_t* s = slot_idx.data_ptr<int64_t>();
-  const int64_t* rk = rank_of.data_ptr<int64_t>();
-  const int64_t* cols = cols_t.data_ptr<int64_t>();
-  const float* xp = xf.data_ptr<float>();
-  const float* ap = A.data_ptr<float>();
-  const float* bp = Bt.data_ptr<float>();
-
+// The work of lora_add (below) for weights of type W (float or bfloat16).
+template <typename W>
+void add_terms(torch::Tensor& out, const float* xp, const int64_t* s, const int64_t* rk,
+               const int64_t* cols, const W* ap, const W* bp, int64_t T, int64_t K, int64_t N,
+               int64_t R, int64_t shards) {
+  const int64_t width = shards * R;
   // Rows grouped by slot (stable), so that each A and Bt row is read once per adapter.
   std::vector<int64_t> order;
   for (int64_t t = 0; t < T; ++t)
@@ -128,7 +119,7 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor slots, torch::Te
       const Segment& seg = segments[item / width];
       const int64_t j = item % width;
       if (j % R >= rk[seg.slot]) continue;
-      const float* a = ap + (seg.slot * width + j) * K;  // read once, from L1 after row one
+      const W* a = ap + (seg.slot * width + j) * K;  // read once, from L1 after row one
       for (int64_t i = seg.begin; i < seg.end; ++i) h[i * width + j] = dot(xp + order[i] * K, a, K);
     }
   });
@@ -157,6 +148,40 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor slots, torch::Te
       }
     }
   });
+}
+
+}  // namespace
+
+// out [T, N] (float32 or bfloat16, rows may be strided), x [T, K] (same dtype), slots [T]
+// int64; then A, Bt, ranks, shard_cols as above. Raises (RuntimeError) on mismatched shapes.
+void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor slots, torch::Tensor A,
+              torch::Tensor Bt, torch::Tensor ranks, torch::Tensor shard_cols) {
+  const int64_t T = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(out.size(0) == T && slots.numel() == T, "lora_add: rows of out, x, slots differ");
+  TORCH_CHECK((A.scalar_type() == at::kFloat || A.scalar_type() == at::kBFloat16) &&
+                  Bt.scalar_type() == A.scalar_type() && A.is_contiguous() &&
+                  Bt.is_contiguous() && A.size(2) == K && Bt.size(2) == N &&
+                  A.size(0) == Bt.size(0),
+              "lora_add: A [S, shards*R, K] and Bt [S, R, N], both float32 or bfloat16, expected");
+  TORCH_CHECK(out.stride(1) == 1, "lora_add: out's rows must be contiguous");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              "lora_add: out must be float32 or bfloat16");
+  const int64_t R = Bt.size(1), shards = shard_cols.numel() - 1, width = shards * R;
+  TORCH_CHECK(A.size(1) == width, "lora_add: A has ", A.size(1), " rows, expected ", width);
+  const auto xf = x.to(at::kFloat).contiguous();
+  const auto slot_idx = slots.to(at::kLong).contiguous();
+  const auto rank_of = ranks.to(at::kLong).contiguous();
+  const auto cols_t = shard_cols.to(at::kLong).contiguous();
+  const int64_t* s = slot_idx.data_ptr<int64_t>();
+  const int64_t* rk = rank_of.data_ptr<int64_t>();
+  const int64_t* cols = cols_t.data_ptr<int64_t>();
+  const float* xp = xf.data_ptr<float>();
+  if (A.scalar_type() == at::kBFloat16)
+    add_terms(out, xp, s, rk, cols, A.data_ptr<c10::BFloat16>(), Bt.data_ptr<c10::BFloat16>(),
+              T, K, N, R, shards);
+  else
+    add_terms(out, xp, s, rk, cols, A.data_ptr<float>(), Bt.data_ptr<float>(), T, K, N, R,
+              shards);
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {

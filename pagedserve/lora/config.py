@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+LORA_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 @dataclass(frozen=True)
 class LoRAConfig:
@@ -13,13 +17,19 @@ class LoRAConfig:
             default 16.
         max_cpu_loras: adapters kept loaded in memory (least recently used evicted and
             read again on their next use); at least ``max_loras``, default ``max_loras``.
+        lora_dtype: what the slots hold the adapters in (vLLM's ``--lora-dtype``):
+            ``auto`` (the model's dtype), ``float32`` or ``bfloat16``. A step reads every
+            adapter it uses whole, so on a memory-bound CPU bfloat16 halves that cost; the
+            adapters' values are then rounded to bfloat16.
 
-    Raises ``ValueError`` for a value below 1 or ``max_cpu_loras < max_loras``.
+    Raises ``ValueError`` for a value below 1, ``max_cpu_loras < max_loras`` or another
+    ``lora_dtype``.
     """
 
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
@@ -28,9 +38,16 @@ class LoRAConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}; got "
+                             f"{self.lora_dtype!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras})")
+
+    def stack_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The slots' dtype for a model computing in ``model_dtype``."""
+        return model_dtype if self.lora_dtype == "auto" else LORA_DTYPES[self.lora_dtype]
 
     @property
     def cpu_capacity(self) -> int:
@@ -53,4 +70,4 @@ class LoRAConfig:
         if spec is not None and spec.method != "ngram":
             raise ValueError(f"enable_lora: speculative decoding with method {spec.method!r} "
                              "drafts without the adapter; use method ngram")
-        return cls(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+        return cls(args.max_loras, args.max_lora_rank, args.max_cpu_loras, args.lora_dtype)

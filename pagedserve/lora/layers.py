@@ -37,19 +37,21 @@ class LoRAStack:
     """One projection's adapter slots.
 
     Attributes:
-        a: ``[max_loras, num_shards * max_rank, K]`` float32.
-        bt: ``[max_loras, max_rank, N]`` float32 (scale folded in).
+        a: ``[max_loras, num_shards * max_rank, K]`` in ``dtype`` (``--lora-dtype``).
+        bt: ``[max_loras, max_rank, N]`` in ``dtype`` (scale folded in).
         ranks: ``[max_loras]`` int64: the rank used in each slot (0: empty).
         shard_cols: ``[num_shards + 1]`` int64 column boundaries of the fused shards.
     """
 
     def __init__(self, target: LoRATarget, max_loras: int, max_rank: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         shards = len(target.shard_sizes)
         self.target = target
         self.max_rank = max_rank
-        self.a = torch.zeros(max_loras, shards * max_rank, target.in_features, device=device)
-        self.bt = torch.zeros(max_loras, max_rank, target.out_features, device=device)
+        self.a = torch.zeros(max_loras, shards * max_rank, target.in_features, device=device,
+                             dtype=dtype)
+        self.bt = torch.zeros(max_loras, max_rank, target.out_features, device=device,
+                              dtype=dtype)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64, device=device)
         self.shard_cols = torch.tensor(target.shard_cols(), dtype=torch.int64, device=device)
 
@@ -75,7 +77,8 @@ class LoRAStack:
         """``out [T, N] += (x [T, K] @ A[s]^T) @ Bt[s]`` for each row's slot ``s`` (-1:
         nothing), in place."""
         ops = cpu_layer_ops(x)
-        if ops is not None and out.dtype in (torch.float32, torch.bfloat16):
+        kernel_dtypes = (torch.float32, torch.bfloat16)
+        if ops is not None and out.dtype in kernel_dtypes and self.a.dtype in kernel_dtypes:
             ops.lora_add(out, x, slots, *self.kernel_tensors())
             return
         cols = self.target.shard_cols()
@@ -87,8 +90,9 @@ class LoRAStack:
             xs = x[rows].float()
             delta = torch.empty(len(rows), out.shape[1], device=out.device)
             for i in range(len(cols) - 1):
-                a = self.a[slot, i * self.max_rank : i * self.max_rank + rank]
-                delta[:, cols[i] : cols[i + 1]] = (xs @ a.t()) @ self.bt[slot, :rank, cols[i] : cols[i + 1]]
+                a = self.a[slot, i * self.max_rank : i * self.max_rank + rank].float()
+                bt = self.bt[slot, :rank, cols[i] : cols[i + 1]].float()
+                delta[:, cols[i] : cols[i + 1]] = (xs @ a.t()) @ bt
             out.index_add_(0, rows, delta.to(out.dtype))
 
 
@@ -134,18 +138,20 @@ def lora_targets(model: nn.Module) -> list[LoRATarget]:
     return targets
 
 
-def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int
+def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int,
+                    dtype: torch.dtype = torch.float32
                     ) -> tuple[LoRABatch, dict[str, LoRAStack]]:
     """Give every targetable projection of ``model`` a ``LoRAWeight`` over the method it
     already holds (call after the quantization method processed the model, before the
-    fused decode step is built). Returns the shared batch and the stacks by module name."""
+    fused decode step is built); the stacks hold the adapters in ``dtype``. Returns the
+    shared batch and the stacks by module name."""
     batch = LoRABatch()
     stacks = {}
     modules = dict(model.named_modules())
     device = model.norm.weight.device
     for target in lora_targets(model):
         layer = modules[target.module]
-        stack = LoRAStack(target, max_loras, max_rank, device)
+        stack = LoRAStack(target, max_loras, max_rank, device, dtype)
         layer.method = LoRAWeight(layer.method, stack, batch)
         stacks[target.module] = stack
     return batch, stacks

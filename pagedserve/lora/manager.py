@@ -25,7 +25,9 @@ class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig) -> None:
         self.config = config
         self.targets = lora_targets(model)
-        self.batch, self.stacks = add_lora_layers(model, config.max_loras, config.max_lora_rank)
+        model_dtype = model.norm.weight.dtype
+        self.batch, self.stacks = add_lora_layers(model, config.max_loras, config.max_lora_rank,
+                                                  config.stack_dtype(model_dtype))
         self.device = model.norm.weight.device
         self.paths: dict[int, tuple[str, str]] = {}  # id -> (name, path)
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recent first
