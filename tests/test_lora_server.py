@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import free_port, wait_until
+from conftest import free_port, stop_process, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 VOCAB = 96
@@ -155,12 +155,7 @@ class Server:
         wait_until(ready, START_TIMEOUT, "the server to start", interval=0.2)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 @pytest.fixture(scope="module")

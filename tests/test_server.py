@@ -25,7 +25,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from conftest import free_port, wait_until
+from conftest import free_port, stop_process, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from stream_twins import (
     PATHS,
@@ -103,13 +103,7 @@ class Server:
         pytest.fail(f"server not ready after {START_TIMEOUT} s:\n{self.log_text()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
 
 
