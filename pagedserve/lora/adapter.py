@@ -81,10 +81,6 @@ class LoRAAdapter:
     path: str
     projections: dict[str, ProjectionLoRA]
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(p.a.numel() * 4 + p.bt.numel() * 4 for p in self.projections.values())
-
 
 def load_adapter(name: str, path: str, targets: list[LoRATarget], max_rank: int
                  ) -> LoRAAdapter:
@@ -121,9 +117,9 @@ def load_adapter(name: str, path: str, targets: list[LoRATarget], max_rank: int
         rank = a.shape[0]
         _check_shapes(where, module, a, b, target, shards, max_rank)
         scale = _scale(config, module, rank)
-        rows = torch.tensor(target.shard_cols())
+        cols = target.shard_cols()  # b's rows: the output columns of shards[0] onwards
         for i in shards:
-            b_shard = b[rows[i] - rows[shards[0]] : rows[i + 1] - rows[shards[0]]]
+            b_shard = b[cols[i] - cols[shards[0]] : cols[i + 1] - cols[shards[0]]]
             per_target.setdefault(target.module, {})[i] = (a.float(), b_shard.float(), scale)
     projections = {module: _fuse(by_module[module], shards)
                    for module, shards in per_target.items()}

@@ -4,7 +4,7 @@ product (float, GGUF blocks, int8 rows).
 
 For a step, every token row has a slot (``LoRABatch.slots``, -1: no adapter); one grouped
 call per projection adds ``(x @ A[s]^T) @ Bt[s]`` to each row of slot ``s``: on CPU our C++
-kernel (``csrc/lora_cpu.cpp``, the counterpart of Punica's BGMV; one fixed-order chain per
+kernel (``csrc/lora_cpu.cpp``, the counterpart of Punica's SGMV; one fixed-order chain per
 output element, so a row gets the same bits alone as in any batch), elsewhere PyTorch
 products per slot. The model code knows nothing of requests: the worker's
 ``LoRAManager`` fills the slots and sets ``LoRABatch.slots`` before each forward.

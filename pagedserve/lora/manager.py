@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedserve.lora.adapter import LoRAAdapter, load_adapter
 from pagedserve.lora.config import LoRAConfig
-from pagedserve.lora.layers import LoRAStack, add_lora_layers, lora_targets
+from pagedserve.lora.layers import add_lora_layers, lora_targets
 
 
 class LoRAManager:
@@ -99,11 +99,6 @@ class LoRAManager:
 
     def _fill(self, slot: int, lora_id: int) -> None:
         adapter = self._adapter(lora_id)
-        stack: LoRAStack
         for module, stack in self.stacks.items():
             stack.set_slot(slot, adapter.projections.get(module))
         self.slot_ids[slot] = lora_id
-
-    def clear_step(self) -> None:
-        """No slots for the next forward (a profiling or calibration pass)."""
-        self.batch.slots = None
