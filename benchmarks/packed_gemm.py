@@ -1,20 +1,24 @@
-"""Weights packed once at load vs ``F.linear`` (which lets MKL pack the weight on every
-call), float32, on SmolLM2-135M's shapes: issue 13's question of whether packing is where
-vLLM's CPU GEMMs gain. Library routes only: PyTorch's own ``torch.ops.mkl._mkl_linear``
-(MKL ``cblas_sgemm_pack`` / ``compute``, what inductor's ``freezing`` emits for float32)
-and ``torch.ops.mkldnn._linear_pointwise`` on a oneDNN-reordered weight; beside them our
-fixed-order GEMM (``torch.ops.pagedserve.fixed_order_linear``, what float weights run on
-CPU: batch-invariant by construction).
+"""Our batch-invariant float GEMMs beside the libraries' on a model's shapes, float32 or
+bfloat16: how close to the machine's peak they run, and which routes give a row the same
+bits alone as in a batch.
 
-    PYTHONPATH=. python benchmarks/packed_gemm.py [--threads N]
+    PYTHONPATH=. python benchmarks/packed_gemm.py [--dtype float32|bfloat16]
+        [--shapes smollm2|llama-1b] [--threads N]
 
-Columns, in GFLOP/s of ``2 * M * K * N``, best of 5 timings: ``linear`` = ``F.linear``;
-``mkl`` = the MKL-packed weight (packed once for 64 rows, called with the step's own row
-count: PyTorch falls back to an unpacked GEMM when that count differs from the one it is
-told); ``onednn`` = the oneDNN-packed weight; ``fixed`` = ours. ``=`` marks results
-bit-equal to ``F.linear``; ``packed x`` = bytes of the MKL-packed weight / bytes of the
-weight; ``invariant`` = whether each library's row 0 equals its 1-row product (ours is by
-construction).
+Routes (columns, in GFLOP/s of ``2 * M * K * N``, best of 5 timings):
+
+- ``linear``: ``F.linear`` (MKL for float32, oneDNN for bfloat16);
+- ``mkl``: ``torch.ops.mkl._mkl_linear`` on an MKL-packed weight (what inductor's
+  ``freezing`` emits; float32 only; packed for 64 rows, so other row counts fall back);
+- ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` on a oneDNN-reordered weight;
+- ``fma``: ``fixed_order_linear`` on ``pack_linear_weight`` (float32 FMA chains);
+- ``pairs``: ``fixed_order_linear`` on ``pack_linear_weight_pairs`` (bfloat16 only, CPUs
+  with AVX512-BF16: one ``vdpbf16ps`` chain over k-pairs).
+
+``peak`` is the best library rate over all shapes and row counts of the run, the
+same-dtype peak the figures are measured against. ``invariant``: whether each route's
+row 0 equals its 1-row product (ours are invariant by construction; a library's "y" here
+is one sample, not a promise).
 """
 
 from __future__ import annotations
@@ -28,51 +32,63 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from int8_gemm import ROWS, SHAPES, best_time
+from int8_gemm import ROWS, best_time
 
 from pagedserve.cpu_ops import load_cpu_ops
+
+# (name, K, N) of Llama 3.2 1B's shapes with SmolLM2's vocabulary (../shared/peers/README.md)
+LLAMA_1B_SHAPES = [("qkv", 2048, 3072), ("o", 2048, 2048), ("gate_up", 2048, 16384),
+                   ("down", 8192, 2048), ("lm_head", 2048, 49152)]
+LIBRARIES = ("linear", "mkl", "onednn")
+
+
+def routes(x: torch.Tensor, w: torch.Tensor) -> dict[str, functools.partial]:
+    """Each route's product ``x @ w.T`` as a call (weights packed here, once)."""
+    ops, n = load_cpu_ops(), w.shape[0]
+    out = {"linear": functools.partial(F.linear, x, w)}
+    if w.dtype == torch.float32:
+        out["mkl"] = functools.partial(torch.ops.mkl._mkl_linear, x,
+                                       torch.ops.mkl._mkl_reorder_linear_weight(w, 64), w,
+                                       None, x.shape[0])
+    out["onednn"] = functools.partial(torch.ops.mkldnn._linear_pointwise, x,
+                                      torch.ops.mkldnn._reorder_linear_weight(w, 64), None,
+                                      "none", [], "")
+    out["fma"] = functools.partial(ops.fixed_order_linear, x, ops.pack_linear_weight(w), n)
+    if w.dtype == torch.bfloat16 and ops.pair_linear_available():
+        out["pairs"] = functools.partial(ops.fixed_order_linear, x,
+                                         ops.pack_linear_weight_pairs(w), n)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--shapes", choices=["smollm2", "llama-1b"], default="smollm2")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads")
-    ops = load_cpu_ops()
-    print(f"{'shape':>8} {'K':>5} {'N':>6} {'M':>4} {'linear':>7} {'mkl':>9} {'onednn':>9} "
-          f"{'fixed':>9} {'packed x':>8}  invariant (linear mkl onednn fixed)")
-    for name, k, n in SHAPES:
-        w = torch.randn(n, k)
-        mkl_w = torch.ops.mkl._mkl_reorder_linear_weight(w, 64)
-        dnn_w = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-        fixed_w = ops.pack_linear_weight(w)
+    dtype = getattr(torch, args.dtype)
+    from int8_gemm import SHAPES
+    shapes = SHAPES if args.shapes == "smollm2" else LLAMA_1B_SHAPES
+    print(f"torch {torch.__version__}, {args.threads} threads, {args.dtype}, {args.shapes}")
+    rows, peak = [], 0.0
+    for name, k, n in shapes:
+        w = torch.randn(n, k).to(dtype)
         for m in ROWS:
-            x = torch.randn(m, k)
-            runs = {
-                "linear": functools.partial(F.linear, x, w),
-                "mkl": functools.partial(torch.ops.mkl._mkl_linear, x, mkl_w, w, None, m),
-                "onednn": functools.partial(torch.ops.mkldnn._linear_pointwise, x, dnn_w, None,
-                                            "none", [], ""),
-                "fixed": functools.partial(ops.fixed_order_linear, x, fixed_w, n),
-            }
-            alone = {  # the same routes on row 0 alone
-                "linear": functools.partial(F.linear, x[:1], w),
-                "mkl": functools.partial(torch.ops.mkl._mkl_linear, x[:1], mkl_w, w, None, 1),
-                "onednn": functools.partial(torch.ops.mkldnn._linear_pointwise, x[:1], dnn_w,
-                                            None, "none", [], ""),
-                "fixed": functools.partial(ops.fixed_order_linear, x[:1], fixed_w, n),
-            }
-            ref = runs["linear"]()
-            cells, invariant = [], []
-            for label, fn in runs.items():
-                rate = 2 * m * k * n / best_time(fn) / 1e9
-                out = fn()
-                mark = "=" if label != "linear" and torch.equal(out, ref) else " "
-                cells.append(f"{rate:7.1f}{mark}")
-                invariant.append("y" if torch.equal(out[:1], alone[label]()) else "n")
-            print(f"{name:>8} {k:5d} {n:6d} {m:4d} {cells[0]:>7} {cells[1]:>9} {cells[2]:>9} "
-                  f"{cells[3]:>9} {mkl_w.numel() / w.numel():8.2f}  {' '.join(invariant)}")
+            x = torch.randn(m, k).to(dtype)
+            calls, alone = routes(x, w), routes(x[:1], w)
+            rates = {label: 2 * m * k * n / best_time(fn) / 1e9 for label, fn in calls.items()}
+            invariant = {label: torch.equal(fn()[:1], alone[label]()) for label, fn in calls.items()}
+            peak = max(peak, *(rates[label] for label in LIBRARIES if label in rates))
+            rows.append((name, k, n, m, rates, invariant))
+    labels = list(rows[0][4])
+    print(f"{'shape':>8} {'K':>5} {'N':>6} {'M':>4} " + " ".join(f"{x:>7}" for x in labels)
+          + "  ours/peak  invariant (" + " ".join(labels) + ")")
+    for name, k, n, m, rates, invariant in rows:
+        ours = max(rates[label] for label in ("fma", "pairs") if label in rates)
+        print(f"{name:>8} {k:5d} {n:6d} {m:4d} " + " ".join(f"{rates[x]:7.1f}" for x in labels)
+              + f"  {ours / peak:9.2f}  " + " ".join("y" if invariant[x] else "n" for x in labels))
+    print(f"peak (best library rate of the run): {peak:.1f} GFLOP/s")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,15 @@
 //
 // bfloat16 is the top half of a float32: its weights and rows convert exactly (a widen and
 // a shift), the sums stay float32, and a bfloat16 result is rounded once at the end.
+//
+// Pairs (CPUs with AVX512-BF16, bfloat16 rows and weights): vdpbf16ps adds two bfloat16
+// products to a float32 lane in one instruction, twice the products of an FMA. The weight
+// is packed [ceil(N / 64)][ceil(K / 2)][64][2] (a k-pair of one column is one 32-bit lane)
+// and every output is ONE chain over the k-pairs in order,
+//   acc = 0;  for j = 0 .. ceil(K/2)-1:  acc = dpbf16(acc, x[m, 2j:2j+2], W[n, 2j:2j+2])
+// (Intel SDM, VDPBF16PS: denormal inputs read as zero, each addition rounded to nearest
+// even), so the same argument makes it batch-invariant. Its bits differ from the FMA
+// chain's; which of the two a weight uses is chosen once per CPU (kernel_choice.py).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -159,6 +168,70 @@ void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t panels,
   });
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kHasPairs = true;
+// Wider than the FMA kernel's panels: 6 x 4 accumulators hide vdpbf16ps's latency, and a
+// panel's run (256 pairs x 64 columns, 64 KiB) is read from L2 once per 6 rows.
+constexpr int kPairVectors = 4;                      // vectors of 16 columns a panel
+constexpr int64_t kPairPanel = 16 * kPairVectors;    // output columns per pair panel
+constexpr int kPairRows = 6;                         // rows of x per micro-kernel call
+constexpr int64_t kPairDepth = 256;                  // k-pairs per run: a row's run is 1 KiB
+constexpr int64_t kPairPanelsPerBlock = 4;           // panels sharing x's runs (L2)
+
+// As micro_kernel, over `depth` k-pairs: x holds bfloat16 pairs (ldx pairs apart), w one
+// panel's run [depth][kPairPanel] of pairs.
+template <int R>
+inline void pair_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
+                        float* c, int64_t ldc, bool first) {
+  __m512 acc[R][kPairVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kPairVectors; ++v)
+      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * v);
+  for (int64_t k = 0; k < depth; ++k) {
+    __m512bh wv[kPairVectors];
+    for (int v = 0; v < kPairVectors; ++v)
+      wv[v] = (__m512bh)_mm512_loadu_si512(w + k * kPairPanel + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(x[r * ldx + k]);
+      for (int v = 0; v < kPairVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, wv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kPairVectors; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+}
+
+template <int R = kPairRows>
+void pair_kernel_rows(int rows, const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
+                      float* c, int64_t ldc, bool first) {
+  if constexpr (R > 1) {
+    if (rows < R) return pair_kernel_rows<R - 1>(rows, x, ldx, w, depth, c, ldc, first);
+  }
+  pair_kernel<R>(x, ldx, w, depth, c, ldc, first);
+}
+
+// c [M, panels * kPairPanel] = x [M, K2 pairs] @ the pair-packed panels; as gemm.
+void gemm_pairs(const int32_t* x, int64_t M, int64_t K2, const int32_t* packed, int64_t panels,
+                float* c) {
+  const int64_t ldc = panels * kPairPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = begin; p0 < end; p0 += kPairPanelsPerBlock) {
+      const int64_t p1 = std::min(end, p0 + kPairPanelsPerBlock);
+      for (int64_t k0 = 0; k0 < K2; k0 += kPairDepth) {
+        const int64_t depth = std::min(kPairDepth, K2 - k0);
+        for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
+          for (int64_t p = p0; p < p1; ++p)
+            pair_kernel_rows(rows, x + m0 * K2 + k0, K2, packed + (p * K2 + k0) * kPairPanel,
+                             depth, c + m0 * ldc + p * kPairPanel, ldc, k0 == 0);
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool kHasPairs = false;
+#endif
+
 void check_float(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
               "fixed_order_linear: ", what, " must be float32 or bfloat16, got ",
@@ -180,10 +253,73 @@ torch::Tensor pack_linear_weight(torch::Tensor weight) {
   return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
 }
 
+// Whether this build has the pair kernel (AVX512-BF16).
+bool pair_linear_available() { return kHasPairs; }
+
+// weight [N, K] bfloat16 -> [ceil(N / P), ceil(K / 2), P, 2] bfloat16 for the pair kernel
+// (zero past N and K). Raises (RuntimeError) without AVX512-BF16 or on another dtype.
+torch::Tensor pack_linear_weight_pairs(torch::Tensor weight) {
+  TORCH_CHECK(kHasPairs, "pack_linear_weight_pairs: this CPU build has no AVX512-BF16");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
+              "pack_linear_weight_pairs: weight must be a bfloat16 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const int64_t panels = (N + kPairPanel - 1) / kPairPanel, K2 = (K + 1) / 2;
+  auto source = weight.contiguous();
+  if (K % 2 == 1) source = at::constant_pad_nd(source, {0, 1});
+  const auto* src = reinterpret_cast<const int32_t*>(source.data_ptr<c10::BFloat16>());
+  auto packed = torch::empty({panels, K2, kPairPanel, 2}, weight.options());
+  if (N % kPairPanel != 0) packed.select(0, panels - 1).zero_();  // columns past N
+  auto* dst = reinterpret_cast<int32_t*>(packed.data_ptr<c10::BFloat16>());
+  // Each panel gathers its rows' pairs, panels in parallel (a 1B model's 2 GB in ~1 s).
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < std::min(kPairPanel, N - p * kPairPanel); ++j) {
+        const int32_t* row = src + (p * kPairPanel + j) * K2;
+        int32_t* column = dst + p * K2 * kPairPanel + j;
+        for (int64_t k = 0; k < K2; ++k) column[k * kPairPanel] = row[k];
+      }
+  });
+  return packed;
+#else
+  return weight;
+#endif
+}
+
+// x [M, K] bfloat16 @ the weight packed by pack_linear_weight_pairs, N its rows -> [M, N]
+// bfloat16. Raises (RuntimeError) on another dtype or mismatched shapes.
+torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "fixed_order_linear: pair-packed weights take bfloat16 rows, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && packed.size(2) == kPairPanel && packed.size(3) == 2 &&
+                  packed.is_contiguous(),
+              "fixed_order_linear: x must be [M, K] and packed [panels, K/2, ", kPairPanel,
+              ", 2]");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), K2 = packed.size(1);
+  TORCH_CHECK((K + 1) / 2 == K2 && N > (panels - 1) * kPairPanel && N <= panels * kPairPanel,
+              "fixed_order_linear: x has K = ", K, " and N = ", N, "; packed is ",
+              packed.sizes());
+  auto c = torch::empty({M, panels * kPairPanel}, x.options().dtype(at::kFloat));
+  // An odd K reads a zero as the last pair's second half.
+  const auto xp = K % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1}).contiguous();
+  if (M > 0)
+    gemm_pairs(reinterpret_cast<const int32_t*>(xp.data_ptr<c10::BFloat16>()), M, K2,
+               reinterpret_cast<const int32_t*>(packed.data_ptr<c10::BFloat16>()), panels,
+               c.data_ptr<float>());
+  return c.narrow(1, 0, N).to(at::kBFloat16).contiguous();
+#else
+  TORCH_CHECK(false, "fixed_order_linear: this CPU build has no AVX512-BF16 pair kernel");
+#endif
+}
+
 // x [M, K] float32 or bfloat16 @ the weight packed by pack_linear_weight, N its rows ->
 // [M, N] in x's dtype (see the top of the file for the order of every sum). Raises
-// (RuntimeError) on another dtype or mismatched shapes.
+// (RuntimeError) on another dtype or mismatched shapes. A 4-dimensional packed weight is
+// pair-packed (pack_linear_weight_pairs): pair_linear.
 torch::Tensor fixed_order_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  if (packed.dim() == 4) return pair_linear(x, packed, N);
   check_float(x, "x");
   check_float(packed, "packed");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel &&
@@ -210,4 +346,6 @@ torch::Tensor fixed_order_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("pack_linear_weight", &pack_linear_weight);
   m.def("fixed_order_linear", &fixed_order_linear);
+  m.def("pack_linear_weight_pairs", &pack_linear_weight_pairs);
+  m.def("pair_linear_available", &pair_linear_available);
 }

@@ -4,8 +4,9 @@ dequantized at load), the exact path.
 On CPU, in float32 and bfloat16, each weight is packed once into panels for our
 fixed-order GEMM (``torch.ops.pagedserve.fixed_order_linear``,
 ``csrc/fixed_order_gemm_cpu.cpp``): every output element is one chain of float32 FMAs over
-K in order, so a row of x gets the same bits alone as in a step of any size, chunked or
-not (batch invariance by construction, where MKL and oneDNN choose kernels and summation
+K in order (for bfloat16 on CPUs with AVX512-BF16 where ``kernel_choice`` measured it
+faster, one chain of ``vdpbf16ps`` over k-pairs), so a row of x gets the same bits alone as
+in a step of any size, chunked or not (batch invariance by construction, where MKL and oneDNN choose kernels and summation
 orders by the row count). The packed copy is the weight's size again. Elsewhere (CUDA,
 float16, autograd, no C++ kernels) ``F.linear``. The other methods keep their float layers
 here too.
@@ -28,6 +29,7 @@ from pagedserve.quantization.base import (
     QuantizationMethod,
     linears,
 )
+from pagedserve.quantization.kernel_choice import bf16_layout
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -53,8 +55,12 @@ def packing_available(device: str, dtype: torch.dtype) -> bool:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` (float32 or bfloat16, CPU) packed for ``fixed_order_linear``:
     ``[ceil(N / P), K, P]``, P output columns a panel (16 with AVX2, 32 with AVX-512), zero
-    past N."""
-    return load_cpu_ops().pack_linear_weight(weight.detach())
+    past N; or, for a bfloat16 weight where ``kernel_choice`` picks the pair kernel,
+    ``[ceil(N / 64), ceil(K / 2), 64, 2]``."""
+    ops, weight = load_cpu_ops(), weight.detach()
+    if weight.dtype == torch.bfloat16 and bf16_layout(*weight.shape) == "pairs":
+        return ops.pack_linear_weight_pairs(weight)
+    return ops.pack_linear_weight(weight)
 
 
 @dataclass(frozen=True)

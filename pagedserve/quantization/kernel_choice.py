@@ -1,0 +1,126 @@
+"""Which of our batch-invariant kernels a bfloat16 weight runs on this CPU: timed once at
+load on the model's own shapes, then kept.
+
+Our fixed-order GEMM (``csrc/fixed_order_gemm_cpu.cpp``) holds a bfloat16 weight in one of
+two layouts, each batch-invariant by construction (a row's bits never depend on the rows
+beside it):
+
+- ``fma``: float32 FMA chains over K (every CPU);
+- ``pairs``: ``vdpbf16ps`` chains over k-pairs (CPUs with AVX512-BF16), twice the products
+  per instruction.
+
+Libraries (MKL, oneDNN) are not candidates: they pick summation orders by the row count
+(``benchmarks/packed_gemm.py`` measures them as the peak our kernels are held against).
+The two layouts give different bits, so a machine must make the same choice on every
+start: each weight shape is timed once (a few ms to a second), the winner is written to
+``cache_dir()/kernel_choice.json`` under this CPU's model, flags, torch version and thread
+count, and later starts read it (a noisy timing decides once, it never flips).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+
+import torch
+
+from pagedserve.config import cpu_flags
+from pagedserve.cpu_ops import load_cpu_ops
+from pagedserve.tokenizer import cache_dir
+
+logger = logging.getLogger(__name__)
+
+# Rows timed per candidate: a decode step's and a prefill chunk's; at most this many of a
+# weight's output columns (a wide LM head's rate is its slices' rate: timing all 49,152
+# columns of a 1B model's took seconds of start-up).
+_TIMED_ROWS = (16, 128)
+_TIMED_COLUMNS = 4096
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def machine_key() -> str:
+    """What a cached choice is valid for: CPU model, flags, torch version, threads."""
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    return f"{_cpu_model()} | flags {flags} | torch {torch.__version__} | " \
+           f"{torch.get_num_threads()} threads"
+
+
+def _cache_file():
+    return cache_dir() / "kernel_choice.json"
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(cache: dict) -> None:
+    """Atomically (a temporary file renamed), so that two engines starting together never
+    read half a file."""
+    path = _cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(cache, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def _seconds(multiply, x: torch.Tensor) -> float:
+    """The best of three calls, in seconds (after one warm-up call)."""
+    multiply(x)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        multiply(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _time_layouts(weight: torch.Tensor) -> dict[str, float]:
+    """Seconds per candidate: the sum over ``_TIMED_ROWS`` of one product's best time."""
+    ops, n = load_cpu_ops(), weight.shape[0]
+    packed = {"fma": ops.pack_linear_weight(weight), "pairs": ops.pack_linear_weight_pairs(weight)}
+    gen = torch.Generator().manual_seed(0)
+    times = dict.fromkeys(packed, 0.0)
+    for rows in _TIMED_ROWS:
+        x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
+        for name, p in packed.items():
+            times[name] += _seconds(lambda x, p=p: ops.fixed_order_linear(x, p, n), x)
+    return times
+
+
+@functools.cache
+def bf16_layout(n: int, k: int) -> str:
+    """``"pairs"`` or ``"fma"``: the layout a bfloat16 weight ``[n, k]`` is packed in here
+    (always ``"fma"`` where the pair kernel is not built)."""
+    if not load_cpu_ops().pair_linear_available():
+        return "fma"
+    key, shape = machine_key(), f"{n}x{k}"
+    if (choice := _read_cache().get(key, {}).get(shape)) in ("fma", "pairs"):
+        return choice
+    times = _time_layouts(torch.randn(min(n, _TIMED_COLUMNS), k, dtype=torch.bfloat16))
+    choice = min(times, key=times.get)
+    logger.info("bfloat16 [%d, %d] weights: %s kernel (pairs %.2f ms, fma %.2f ms at %s rows; "
+                "kept in %s)", n, k, choice, times["pairs"] * 1e3, times["fma"] * 1e3,
+                "+".join(map(str, _TIMED_ROWS)), _cache_file())
+    cache = _read_cache()
+    cache.setdefault(key, {})[shape] = choice
+    _write_cache(cache)
+    return choice

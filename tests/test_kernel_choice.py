@@ -1,0 +1,150 @@
+"""The bfloat16 pair kernel (``vdpbf16ps`` chains, ``csrc/fixed_order_gemm_cpu.cpp``) and
+the once-per-machine choice between it and the FMA kernel (``quantization/kernel_choice.py``).
+
+The pair kernel is checked against the float64 product (bfloat16 products are exact in
+float32, so only the float32 additions and the final rounding differ) and for batch
+invariance; the choice for being timed once, written, and read back unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_batch_invariance import assert_rows_invariant
+
+from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
+from pagedserve.quantization import kernel_choice, none
+
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU kernels unavailable")
+
+
+def pairs_available() -> bool:
+    return load_cpu_ops().pair_linear_available()
+
+
+needs_pairs = pytest.mark.skipif(not cpu_ops_available() or not pairs_available(),
+                                 reason="this CPU has no AVX512-BF16")
+
+
+def assert_near_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``out`` within what a float32 sum of K exact products may carry (K ulps of the
+    products' magnitude), then one rounding to bfloat16 (half an ulp: 2**-8 relative), of
+    the float64 product ``x @ weight.T``."""
+    exact = x.double() @ weight.double().T
+    sums = x.shape[1] * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T)
+    assert bool(((out.double() - exact).abs() <= sums * (1 + 2**-8) + exact.abs() * 2**-8).all())
+
+
+@needs_pairs
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 300), n=st.sampled_from([1, 63, 64, 200, 960]),
+       k=st.sampled_from([1, 2, 97, 576, 1537]), seed=st.integers(0, 2**31))
+def test_pair_kernel_matches_float64_and_is_row_invariant(m, n, k, seed):
+    """Any N (tails of a 64-column panel), any K (odd: the last pair half zero), any M."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    ops = load_cpu_ops()
+    packed = ops.pack_linear_weight_pairs(weight)
+    assert packed.shape == ((n + 63) // 64, (k + 1) // 2, 64, 2)
+    multiply = lambda rows: ops.fixed_order_linear(rows, packed, n)
+    out = multiply(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert_near_float64(out, x, weight)
+    assert_rows_invariant(multiply, x)
+
+
+@needs_pairs
+def test_pair_kernel_rejects_what_it_cannot_multiply():
+    ops = load_cpu_ops()
+    packed = ops.pack_linear_weight_pairs(torch.randn(64, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="pair-packed weights take bfloat16 rows"):
+        ops.fixed_order_linear(torch.randn(2, 32), packed, 64)
+    with pytest.raises(RuntimeError, match="x has K = 30 and N = 64"):
+        ops.fixed_order_linear(torch.randn(2, 30).bfloat16(), packed, 64)
+    with pytest.raises(RuntimeError, match="x has K = 32 and N = 65"):
+        ops.fixed_order_linear(torch.randn(2, 32).bfloat16(), packed, 65)
+    with pytest.raises(RuntimeError, match="weight must be a bfloat16"):
+        ops.pack_linear_weight_pairs(torch.randn(64, 32))
+    assert ops.fixed_order_linear(torch.empty(0, 32).bfloat16(), packed, 64).shape == (0, 64)
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch, tmp_path):
+    """An empty cache directory and no choice remembered in this process."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    kernel_choice.bf16_layout.cache_clear()
+    yield tmp_path / "kernel_choice.json"
+    kernel_choice.bf16_layout.cache_clear()
+
+
+@needs_pairs
+def test_choice_is_timed_once_then_read_back(fresh_cache, monkeypatch):
+    """The first choice is the faster layout by the timing; it is written under this
+    machine's key and a later start reads it without timing again, even where a new
+    timing would say otherwise."""
+    monkeypatch.setattr(kernel_choice, "_time_layouts", lambda w: {"fma": 2.0, "pairs": 1.0})
+    assert kernel_choice.bf16_layout(96, 64) == "pairs"
+    cached = json.loads(fresh_cache.read_text())
+    assert cached == {kernel_choice.machine_key(): {"96x64": "pairs"}}
+    kernel_choice.bf16_layout.cache_clear()
+
+    def must_not_time(weight):
+        raise AssertionError("a cached choice was timed again")
+
+    monkeypatch.setattr(kernel_choice, "_time_layouts", must_not_time)
+    assert kernel_choice.bf16_layout(96, 64) == "pairs"
+    # another machine key (thread count) is another entry, timed on its own
+    monkeypatch.setattr(kernel_choice, "_time_layouts", lambda w: {"fma": 1.0, "pairs": 2.0})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        kernel_choice.bf16_layout.cache_clear()
+        assert kernel_choice.bf16_layout(96, 64) == "fma"
+    finally:
+        torch.set_num_threads(threads)
+    assert len(json.loads(fresh_cache.read_text())) == 2
+
+
+@needs_pairs
+def test_real_timing_prefers_pairs_at_a_compute_bound_shape(fresh_cache):
+    """Timed for real: both layouts run; the pair kernel does twice the products per
+    instruction, so at 128 + 16 rows of a 1536 x 576 weight it wins (it did by ~1.8x on
+    the Zen 5 EPYC this was written on)."""
+    times = kernel_choice._time_layouts(torch.randn(1536, 576, dtype=torch.bfloat16))
+    assert set(times) == {"fma", "pairs"} and all(t > 0 for t in times.values())
+    assert times["pairs"] < times["fma"]
+
+
+@needs_pairs
+def test_pack_weight_follows_the_choice(fresh_cache):
+    """``pack_weight`` packs a bfloat16 weight in the cached layout (float32 always FMA),
+    and ``float_linear`` gives the float64 product's value either way."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(100, 96, generator=gen).bfloat16()
+    x = torch.randn(3, 7, 96, generator=gen).bfloat16()
+    for layout, dims in (("pairs", 4), ("fma", 3)):
+        fresh_cache.write_text(json.dumps({kernel_choice.machine_key(): {"100x96": layout}}))
+        kernel_choice.bf16_layout.cache_clear()
+        packed = none.pack_weight(weight)
+        assert packed.dim() == dims
+        with torch.no_grad():
+            out = none.float_linear(x, weight, None, packed).reshape(21, 100)
+        assert_near_float64(out, x.reshape(21, 96), weight)
+    assert none.pack_weight(weight.float()).dim() == 3
+
+
+def test_without_the_pair_kernel_the_choice_is_fma(fresh_cache, monkeypatch):
+    """Where the build has no AVX512-BF16 nothing is timed or written."""
+    class NoPairs:
+        @staticmethod
+        def pair_linear_available():
+            return False
+
+    monkeypatch.setattr(kernel_choice, "load_cpu_ops", lambda: NoPairs)
+    assert kernel_choice.bf16_layout(64, 64) == "fma"
+    assert not fresh_cache.exists()
