@@ -259,11 +259,10 @@ bool pair_linear_available() { return kHasPairs; }
 // weight [N, K] bfloat16 -> [ceil(N / P), ceil(K / 2), P, 2] bfloat16 for the pair kernel
 // (zero past N and K). Raises (RuntimeError) without AVX512-BF16 or on another dtype.
 torch::Tensor pack_linear_weight_pairs(torch::Tensor weight) {
-  TORCH_CHECK(kHasPairs, "pack_linear_weight_pairs: this CPU build has no AVX512-BF16");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
               "pack_linear_weight_pairs: weight must be a bfloat16 [N, K]");
-  const int64_t N = weight.size(0), K = weight.size(1);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t panels = (N + kPairPanel - 1) / kPairPanel, K2 = (K + 1) / 2;
   auto source = weight.contiguous();
   if (K % 2 == 1) source = at::constant_pad_nd(source, {0, 1});
@@ -271,7 +270,8 @@ torch::Tensor pack_linear_weight_pairs(torch::Tensor weight) {
   auto packed = torch::empty({panels, K2, kPairPanel, 2}, weight.options());
   if (N % kPairPanel != 0) packed.select(0, panels - 1).zero_();  // columns past N
   auto* dst = reinterpret_cast<int32_t*>(packed.data_ptr<c10::BFloat16>());
-  // Each panel gathers its rows' pairs, panels in parallel (a 1B model's 2 GB in ~1 s).
+  // Each panel gathers its rows' pairs, panels in parallel (a 1B model's 2 GB: 2.5 s on
+  // 2 cores, against 9.9 s as a strided copy of 2-byte elements).
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t j = 0; j < std::min(kPairPanel, N - p * kPairPanel); ++j) {
@@ -282,6 +282,7 @@ torch::Tensor pack_linear_weight_pairs(torch::Tensor weight) {
   });
   return packed;
 #else
+  TORCH_CHECK(false, "pack_linear_weight_pairs: this CPU build has no AVX512-BF16");
   return weight;
 #endif
 }
@@ -311,6 +312,7 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   return c.narrow(1, 0, N).to(at::kBFloat16).contiguous();
 #else
   TORCH_CHECK(false, "fixed_order_linear: this CPU build has no AVX512-BF16 pair kernel");
+  return x;
 #endif
 }
 

@@ -116,11 +116,11 @@ def bf16_layout(n: int, k: int) -> str:
     if (choice := _read_cache().get(key, {}).get(shape)) in ("fma", "pairs"):
         return choice
     times = _time_layouts(torch.randn(min(n, _TIMED_COLUMNS), k, dtype=torch.bfloat16))
-    choice = min(times, key=times.get)
+    # Another process (a tensor-parallel rank) may have chosen meanwhile: its choice stands.
+    cache = _read_cache()
+    choice = cache.setdefault(key, {}).setdefault(shape, min(times, key=times.get))
     logger.info("bfloat16 [%d, %d] weights: %s kernel (pairs %.2f ms, fma %.2f ms at %s rows; "
                 "kept in %s)", n, k, choice, times["pairs"] * 1e3, times["fma"] * 1e3,
                 "+".join(map(str, _TIMED_ROWS)), _cache_file())
-    cache = _read_cache()
-    cache.setdefault(key, {})[shape] = choice
     _write_cache(cache)
     return choice
