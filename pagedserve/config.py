@@ -26,16 +26,26 @@ _DTYPES = {
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_flags() -> set[str]:
-    """The instruction-set flags of this CPU (empty where /proc/cpuinfo is missing)."""
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name`` line's value in /proc/cpuinfo ("" where it or the file is missing)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags of this CPU (empty where /proc/cpuinfo is missing)."""
+    return set(_cpuinfo_field("flags").split())
+
+
+def cpu_model() -> str:
+    """This CPU's model name, e.g. ``AMD EPYC`` ("unknown" where /proc/cpuinfo lacks it)."""
+    return _cpuinfo_field("model name") or "unknown"
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:

@@ -148,24 +148,34 @@ void micro_kernel_rows(int rows, const float* x, int64_t ldx, const W* w, int64_
   }
 }
 
-// c [M, panels * kPanel] = x [M, K] @ the packed panels.
-template <typename W>
-void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t panels, float* c) {
-  const int64_t ldc = panels * kPanel;
+// The blocking both kernels share: threads split the panels; per block of kBlock panels, K
+// in runs of kDepth (in order, so every chain continues where it stopped), rows of x in
+// groups of kGroup. tile(rows, m0, k0, depth, p) computes one group against one panel's run.
+template <int64_t kBlock, int64_t kDepthRun, int kGroup, typename Tile>
+void for_each_tile(int64_t M, int64_t K, int64_t panels, const Tile& tile) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p0 = begin; p0 < end; p0 += kPanelsPerBlock) {
-      const int64_t p1 = std::min(end, p0 + kPanelsPerBlock);
-      for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
-        const int64_t depth = std::min(kDepth, K - k0);
-        for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-          for (int64_t p = p0; p < p1; ++p)
-            micro_kernel_rows(rows, x + m0 * K + k0, K, packed + (p * K + k0) * kPanel, depth,
-                              c + m0 * ldc + p * kPanel, ldc, k0 == 0);
+    for (int64_t p0 = begin; p0 < end; p0 += kBlock) {
+      const int64_t p1 = std::min(end, p0 + kBlock);
+      for (int64_t k0 = 0; k0 < K; k0 += kDepthRun) {
+        const int64_t depth = std::min(kDepthRun, K - k0);
+        for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
+          const int rows = static_cast<int>(std::min<int64_t>(kGroup, M - m0));
+          for (int64_t p = p0; p < p1; ++p) tile(rows, m0, k0, depth, p);
         }
       }
     }
   });
+}
+
+// c [M, panels * kPanel] = x [M, K] @ the packed panels.
+template <typename W>
+void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t panels, float* c) {
+  const int64_t ldc = panels * kPanel;
+  for_each_tile<kPanelsPerBlock, kDepth, kRows>(
+      M, K, panels, [&](int rows, int64_t m0, int64_t k0, int64_t depth, int64_t p) {
+        micro_kernel_rows(rows, x + m0 * K + k0, K, packed + (p * K + k0) * kPanel, depth,
+                          c + m0 * ldc + p * kPanel, ldc, k0 == 0);
+      });
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -213,20 +223,11 @@ void pair_kernel_rows(int rows, const int32_t* x, int64_t ldx, const int32_t* w,
 void gemm_pairs(const int32_t* x, int64_t M, int64_t K2, const int32_t* packed, int64_t panels,
                 float* c) {
   const int64_t ldc = panels * kPairPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p0 = begin; p0 < end; p0 += kPairPanelsPerBlock) {
-      const int64_t p1 = std::min(end, p0 + kPairPanelsPerBlock);
-      for (int64_t k0 = 0; k0 < K2; k0 += kPairDepth) {
-        const int64_t depth = std::min(kPairDepth, K2 - k0);
-        for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
-          for (int64_t p = p0; p < p1; ++p)
-            pair_kernel_rows(rows, x + m0 * K2 + k0, K2, packed + (p * K2 + k0) * kPairPanel,
-                             depth, c + m0 * ldc + p * kPairPanel, ldc, k0 == 0);
-        }
-      }
-    }
-  });
+  for_each_tile<kPairPanelsPerBlock, kPairDepth, kPairRows>(
+      M, K2, panels, [&](int rows, int64_t m0, int64_t k0, int64_t depth, int64_t p) {
+        pair_kernel_rows(rows, x + m0 * K2 + k0, K2, packed + (p * K2 + k0) * kPairPanel, depth,
+                         c + m0 * ldc + p * kPairPanel, ldc, k0 == 0);
+      });
 }
 #else
 constexpr bool kHasPairs = false;

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from pagedserve.config import cpu_flags
+from pagedserve.config import cpu_flags, cpu_model
 from pagedserve.cpu_ops import load_cpu_ops
 from pagedserve.tokenizer import cache_dir
 
@@ -42,21 +42,10 @@ _TIMED_ROWS = (16, 128)
 _TIMED_COLUMNS = 4096
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def machine_key() -> str:
     """What a cached choice is valid for: CPU model, flags, torch version, threads."""
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
-    return f"{_cpu_model()} | flags {flags} | torch {torch.__version__} | " \
+    return f"{cpu_model()} | flags {flags} | torch {torch.__version__} | " \
            f"{torch.get_num_threads()} threads"
 
 

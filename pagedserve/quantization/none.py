@@ -6,8 +6,8 @@ fixed-order GEMM (``torch.ops.pagedserve.fixed_order_linear``,
 ``csrc/fixed_order_gemm_cpu.cpp``): every output element is one chain of float32 FMAs over
 K in order (for bfloat16 on CPUs with AVX512-BF16 where ``kernel_choice`` measured it
 faster, one chain of ``vdpbf16ps`` over k-pairs), so a row of x gets the same bits alone as
-in a step of any size, chunked or not (batch invariance by construction, where MKL and oneDNN choose kernels and summation
-orders by the row count). The packed copy is the weight's size again. Elsewhere (CUDA,
+in a step of any size, chunked or not (batch invariance by construction, where MKL and
+oneDNN choose kernels and summation orders by the row count). The packed copy is the weight's size again. Elsewhere (CUDA,
 float16, autograd, no C++ kernels) ``F.linear``. The other methods keep their float layers
 here too.
 """
