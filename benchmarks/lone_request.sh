@@ -6,7 +6,9 @@
 # (../shared/peers/README.md says how to build it), one after the other. Run it on a quiet
 # machine; only figures from one run compare.
 #
-#   bash benchmarks/lone_request.sh [PATH/TO/llama-server]
+#   [QUANTS="mxfp4 nvfp4"] bash benchmarks/lone_request.sh [PATH/TO/llama-server]
+#
+# QUANTS: also the default path with each of these --quantization methods, after it.
 #
 # Ours: `pagedserve bench latency --batch-size 1 --input-len 32` with 1 and with 129 output
 # tokens; decode tok/s = 128 / (difference of the median latencies). llama-server's:
@@ -53,6 +55,9 @@ print(f"pagedserve {label}: decode {128 / (med[1] - med[0]):.1f} tok/s "
 PY
 }
 decode_rate "default"
+for q in ${QUANTS:-}; do
+    decode_rate "--quantization $q" --quantization "$q"
+done
 decode_rate "exact (--dtype float32 --quantization none)" --dtype float32 --quantization none
 decode_rate "self-speculative, k=${SPEC_K:-8} (output = the exact path's)" --dtype float32 \
     --speculative-config "{\"method\": \"self\", \"num_speculative_tokens\": ${SPEC_K:-8}}"

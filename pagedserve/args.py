@@ -7,10 +7,12 @@ from dataclasses import dataclass, fields
 
 # The help of --quantization; README.md (Models) quotes it word for word (a test checks).
 QUANTIZATION_HELP = (
-    "unset or gguf: on CPU with one rank, the Q4_1 and Q8_0 weights of a .gguf model stay "
-    "GGUF blocks that every step multiplies by directly, with the activations "
+    "unset or gguf: on CPU with one rank, the Q4_1, Q8_0, MXFP4 and NVFP4 weights of a .gguf "
+    "model stay GGUF blocks that every step multiplies by directly, with the activations "
     "rounded to 8 bits per block of 32 (in any --dtype; not token-exact); int8: W8A8, "
     "weights quantized per output channel at load after SmoothQuant, activations per token "
+    "(CPU only; not exact); mxfp4, nvfp4: every Linear in that 4-bit float format, "
+    "quantized at load unless the .gguf file stores it so, multiplied as the GGUF blocks are "
     "(CPU only; not exact); none: dequantized weights only (exact with --dtype float32)")
 
 
@@ -103,7 +105,8 @@ class EngineArgs:
                             help="auto: read the checkpoint; dummy: random weights of the "
                                  "model's shapes (benchmarks)")
         parser.add_argument("--quantization", "-q", default=None,
-                            choices=["gguf", "int8", "none"], help=QUANTIZATION_HELP)
+                            choices=["gguf", "int8", "mxfp4", "none", "nvfp4"],
+                            help=QUANTIZATION_HELP)
         parser.add_argument("--scheduling", default=d.scheduling,
                             choices=["continuous", "static"],
                             help="continuous batching, or static batches (a baseline: a "

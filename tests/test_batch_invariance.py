@@ -69,7 +69,8 @@ def test_fixed_order_linear_rows_invariant(m, shape, dtype, seed):
 
 
 @settings(max_examples=10, deadline=None)
-@given(m=st.integers(1, 300), qtype=st.sampled_from([Q.Q4_1, Q.Q8_0]), seed=st.integers(0, 2**31))
+@given(m=st.integers(1, 300), qtype=st.sampled_from([Q.Q4_1, Q.Q8_0, Q.MXFP4, Q.NVFP4]),
+       seed=st.integers(0, 2**31))
 def test_gguf_block_kernel_rows_invariant(m, qtype, seed):
     blocks = torch.from_numpy(random_blocks(qtype, 64, 256, np.random.default_rng(seed)))
     qweight = repack_blocks(blocks, qtype)
@@ -132,6 +133,7 @@ PATHS = {  # int8's torch._int_mm is slow on CPUs without VNNI: its paths take f
     "bfloat16 GGUF blocks": {"dtype": "bfloat16"},
     "bfloat16 exact": {"dtype": "bfloat16", "quantization": "none"},
     "int8": {"dtype": "float32", "quantization": "int8"},
+    "bfloat16 MXFP4": {"dtype": "bfloat16", "quantization": "mxfp4"},
     "int8, bfloat16 KV cache": {"dtype": "float32", "quantization": "int8",
                                 "kv_cache_dtype": "bfloat16"},
 }

@@ -1,4 +1,4 @@
-"""GGUF Q4_1/Q8_0 kernels (torch.ops.pagedserve.ggml_mul_mat_a8) and their use by the
+"""GGUF block kernels (torch.ops.pagedserve.ggml_mul_mat_a8: Q4_1, Q8_0, MXFP4, NVFP4) and their use by the
 model: the kernel against an independent reference (activations rounded to 8 bits per block
 of 32, times the weights dequantized by gguf-py), the blocks the loader keeps against the
 dequantized weights, and the engine's accuracy against the exact float32 path."""
@@ -29,9 +29,19 @@ pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU kernels
 
 
 def random_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random GGUF blocks uint8 [n, k / 32 * type_size]: random fp16 scales (and Q4_1 mins)
-    of either sign, random quants."""
-    num, (block, size) = n * k // 32, GGML_QUANT_SIZES[qtype]
+    """Random GGUF blocks uint8 [n, k / block * type_size]: random fp16 scales (and Q4_1
+    mins) of either sign, or FP4's E8M0 / unsigned E4M3 scales (every byte but NVFP4's
+    0x7F..0xFF, which ggml never writes), random quants."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    num = n * k // block
+    if qtype == Q.MXFP4:  # E8M0 2^-11 .. 2^-4, then 16 bytes of codes
+        scale = rng.integers(116, 124, (num, 1), dtype=np.uint8)
+        return np.concatenate([scale, rng.integers(0, 256, (num, 16), dtype=np.uint8)],
+                              axis=1).reshape(n, -1)
+    if qtype == Q.NVFP4:  # four unsigned E4M3 sub-scales, then 32 bytes of codes
+        scales = rng.integers(0, 0x7F, (num, 4), dtype=np.uint8)
+        return np.concatenate([scales, rng.integers(0, 256, (num, 32), dtype=np.uint8)],
+                              axis=1).reshape(n, -1)
     scale = rng.uniform(-0.05, 0.05, (num, 1)).astype(np.float16).view(np.uint8)
     parts = [scale]
     if qtype == Q.Q4_1:
@@ -44,15 +54,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
-def a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] with each block of 32 rounded to 8 bits (d = max|x| / 127, q =
+def a8_round(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] with each block of 32 rounded to 8 bits (d = max|x| / 127, q =
     round_half_even(x * (1 / d)), all in float32, as llama.cpp's block_q8_1 with float
-    scales), times weight [N, K]^T, in float64."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scales): q * d."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
-    rounded = (torch.round(blocks * inv) * d).reshape(x.shape)
-    return F.linear(rounded.double(), weight.double())
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
+
+
+def a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``a8_round(x) [M, K]`` times weight [N, K]^T, in float64."""
+    return F.linear(a8_round(x).double(), weight.double())
 
 
 def kernel(blocks: np.ndarray, x: torch.Tensor, qtype: Q) -> torch.Tensor:
@@ -61,10 +75,11 @@ def kernel(blocks: np.ndarray, x: torch.Tensor, qtype: Q) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)
-@pytest.mark.parametrize("n, k", [(16, 32), (48, 96), (208, 576), (64, 1536), (32, 320)])
+@pytest.mark.parametrize("n, k", [(16, 64), (48, 128), (208, 576), (64, 1536), (32, 320)])
 def test_kernel_matches_8bit_activation_reference(qtype, n, k):
-    """One to many tiles of 16 rows and blocks of 32, every row count of a pass (1-8) and
-    several passes (up to 64 rows: a decode step); a row of zeros too."""
+    """One to many tiles of 16 rows and blocks of 32 (64: ggml's NVFP4 block), every row
+    count of a pass (1-8) and several passes (up to 64 rows: a decode step); a row of zeros
+    too. FP4: the weights as gguf-py dequantizes ggml's blocks."""
     rng = np.random.default_rng(n * k)
     blocks = random_blocks(qtype, n, k, rng)
     weight = torch.from_numpy(dequantize(blocks, qtype).copy())  # gguf-py
@@ -86,13 +101,13 @@ def test_kernel_matches_8bit_activation_reference(qtype, n, k):
         assert torch.equal(out[m - 1], kernel(blocks, x[m - 1:], qtype)[0])
 
 
-@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.MXFP4])
 def test_repacked_blocks_hold_the_same_bytes_per_tile(qtype):
     """32 rows of 2 blocks: two tiles of 16 rows; per tile and block the 16 scales, (Q4_1)
-    the 16 mins, then chunks of each row's next 4 quant bytes."""
+    the 16 mins, then chunks of each row's next 4 quant bytes. (NVFP4 tiles: test_fp4.)"""
     size = GGML_QUANT_SIZES[qtype][1]
-    scale_fields = [(0, 2), (2, 4)] if qtype == Q.Q4_1 else [(0, 2)]
-    quants_start = 2 * len(scale_fields)
+    scale_fields = {Q.Q4_1: [(0, 2), (2, 4)], Q.Q8_0: [(0, 2)], Q.MXFP4: [(0, 1)]}[qtype]
+    quants_start = scale_fields[-1][1]
     rows = torch.arange(32 * 2 * size, dtype=torch.int32).remainder(251).to(torch.uint8)
     rows = rows.view(32, 2 * size)
     packed = repack_blocks(rows, qtype)
@@ -109,7 +124,7 @@ def test_repacked_blocks_hold_the_same_bytes_per_tile(qtype):
     assert gguf_module._concat_rows({"w": (qtype, rows[:24])}, ["w"]) is None  # 24 rows
 
 
-@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])  # FP4 types: gguf-py's own, test_fp4
 def test_dequantization_is_bit_equal_to_gguf_py(qtype):
     blocks = random_blocks(qtype, 37, 96, np.random.default_rng(int(qtype)))
     ours = load_cpu_ops().dequantize_gguf_blocks(torch.from_numpy(blocks), int(qtype))
@@ -221,7 +236,7 @@ def test_quantization_method_choices(model_path, tmp_path):
     assert method(None, model_path, "cuda") == "none"
     assert method(None, model_path, "cpu", 3) == "none"  # tensor parallel: dequantized
     assert method(None, tmp_path, "cpu") == "none"
-    with pytest.raises(ValueError, match="quantization must be one of gguf, int8, none"):
+    with pytest.raises(ValueError, match="must be one of gguf, int8, mxfp4, none, nvfp4"):
         get_quantization_method("awq", model_path, "cpu")
     with pytest.raises(ValueError, match="needs a .gguf model"):
         get_quantization_method("gguf", tmp_path, "cpu")

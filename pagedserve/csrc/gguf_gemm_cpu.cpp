@@ -1,6 +1,7 @@
 // GGUF-quantized matrix multiply with 8-bit activations, for CPU
 // (torch.ops.pagedserve.ggml_mul_mat_a8):  out[M, N] = x[M, K] @ W^T,
-// W [N, K] kept as GGUF blocks (Q4_1 or Q8_0) repacked at load, x float32.
+// W [N, K] kept as GGUF blocks (Q4_1, Q8_0, or FP4: MXFP4 and NVFP4) repacked at load,
+// x float32.
 // For decode steps (1 to some tens of rows of x) the step is bound by reading W, whose
 // blocks are 3.2x (Q8_0) to 6.4x (Q4_1) smaller than float32, and by the products, which
 // run as 8-bit integer dot products (4x the multiply-adds of a float32 FMA per instruction).
@@ -9,24 +10,36 @@
 //   Q4_1 (ggml_type 3), 32 weights: fp16 d, fp16 m, 16 bytes qs; weight j < 16 is the low
 //        nibble of qs[j], weight j >= 16 the high nibble of qs[j - 16]; w = d * q + m.
 //   Q8_0 (ggml_type 8), 32 weights: fp16 d, int8 qs[32]; w = d * q.
+//   MXFP4 (ggml_type 39, block_mxfp4; OCP MX v1.0), 32 weights: E8M0 e, 16 bytes qs (nibbles
+//        as Q4_1's), each an E2M1 code c; w = 2^(e - 128) * kv[c], kv = the E2M1 values
+//        doubled (0, 1, 2, 3, 4, 6, 8, 12, then negated; ggml's kvalues_mxfp4).
+//   NVFP4 (type 40 here: the kernel's own rows, quantization/fp4_formats.py), 32 weights:
+//        fp16 s0, fp16 s1, 16 bytes qs as MXFP4's; w = r * s * kv[c] with s = s0 for
+//        weights 0..15, s1 for 16..31 (an E4M3 block scale halved) and r the row's
+//        float32 scale (NVFP4's tensor scale), one per row after the tile's blocks.
 //
 // As llama.cpp's CPU backend and vLLM's GGUF kernels (ggml_mul_mat_vec_a8) do, each row of
 // x is first quantized per block of 32 (block_q8_1's idea, with float32 scales):
 //   da = max|x| / 127,  a = round_half_even(x * (1 / da)),  sa = da * sum(a),
 // and a weight block meets its activation block as one integer dot product:
-//   Q4_1: sum_j (d q_j + m)(da a_j) = d da sum_j q_j a_j + m sa;   Q8_0: d da sum_j q_j a_j.
+//   Q4_1: sum_j (d q_j + m)(da a_j) = d da sum_j q_j a_j + m sa;   Q8_0: d da sum_j q_j a_j;
+//   FP4: the code's value by a 16-entry table lookup (vpshufb) as kv[c] + 12 (unsigned, for
+//   vpdpbusd), sum_j (kv_j + 12) a_j - 12 sum_j a_j, times s da per half block (NVFP4) or
+//   block (MXFP4), and NVFP4's r at the end.
 // Integer sums are exact; the error is x's rounding to 8 bits per block.
 //
 // Repacked layout (repack_blocks in quantization/gguf.py; the same bytes as GGUF's, moved):
 // the rows in tiles of kTileRows = 16, and per tile, block after block: the 16 rows' scales
 // d (fp16), for Q4_1 their 16 mins m, then their quants in chunks of 4 bytes, chunk-major:
-// [chunk c][row r][qs bytes 4c..4c+3] (4 chunks for Q4_1, 8 for Q8_0). One 64-byte load
+// [chunk c][row r][qs bytes 4c..4c+3] (4 chunks for Q4_1 and FP4, 8 for Q8_0); MXFP4's
+// scales are 16 bytes e, NVFP4's the 16 rows' s0 then their s1 (Q4_1's d and m places),
+// and an NVFP4 tile ends with its 16 rows' r (float32). One 64-byte load
 // then holds 4 quant bytes of each of the 16 rows, i.e. one 32-bit lane per output row:
 // a VNNI dot product (vpdpbusd) against 4 activation bytes broadcast to every lane adds
 // 4 products to each of the 16 rows' sums, and a block's 8 such steps leave its 16 integer
 // dot products in one register, in output order: no horizontal sums (the layout of
 // llama.cpp's repacked "q4_0_8x8" GEMM kernels, here with 16 rows per 512-bit register).
-// For Q4_1 the chunk's low nibbles are quants 4c..4c+3 and its high nibbles 16+4c..19+4c.
+// For 4-bit types the chunk's low nibbles are quants 4c..4c+3, its high ones 16+4c..19+4c.
 //
 // At load (one pass over the bytes each, where PyTorch code made 4-6 with temporaries):
 //   dequantize_gguf_blocks(blocks uint8 [R, K / 32 * type_size], type) -> float32 [R, K]
@@ -39,6 +52,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -61,37 +75,76 @@ constexpr int64_t kMaxRowsPerPass = 8;  // rows of x sharing one pass over a til
 constexpr int64_t kPrefetchBytes = 1536;  // how far ahead in W to prefetch
 constexpr int64_t kDequantGrain = 256;    // blocks per parallel task of dequantize_gguf_blocks
 
-enum GGMLType : int64_t { kQ4_1 = 3, kQ8_0 = 8 };
+enum GGMLType : int64_t { kQ4_1 = 3, kQ8_0 = 8, kMXFP4 = 39, kNVFP4 = 40 };
+
+// E2M1 codes -> their values doubled, plus kFP4Bias so that vpdpbusd takes them unsigned.
+constexpr int32_t kFP4Bias = 12;
+alignas(16) constexpr int8_t kFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12,
+                                               0, -1, -2, -3, -4, -6, -8, -12};
+alignas(16) constexpr int8_t kFP4Biased[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                               12, 11, 10, 9, 8, 6, 4, 0};
 
 // 4 activation quants read as one int32 (to broadcast them to every lane): allowed to
 // alias the int8 array, and the compiler folds the read into the dot product's operand.
 typedef int32_t int32_as_bytes __attribute__((may_alias, aligned(1)));
 
-// A tile's bytes per block: its 16 rows' scale fields (d, and m for Q4_1), then quants.
+// A tile's bytes per block: its 16 rows' scale fields (d, and m for Q4_1), then quants;
+// and after its blocks (kTailBytes): NVFP4's row scales.
 struct Q4_1Layout {
-  static constexpr bool kHasMin = true;
   static constexpr int64_t kScaleBytes = 2 * 2 * kTileRows, kQuantBytes = 16 * kTileRows;
+  static constexpr int64_t kScaleField = 2, kTailBytes = 0;
 };
 struct Q8_0Layout {
-  static constexpr bool kHasMin = false;
   static constexpr int64_t kScaleBytes = 2 * kTileRows, kQuantBytes = 32 * kTileRows;
+  static constexpr int64_t kScaleField = 2, kTailBytes = 0;
+};
+struct MXFP4Layout {
+  static constexpr int64_t kScaleBytes = kTileRows, kQuantBytes = 16 * kTileRows;
+  static constexpr int64_t kScaleField = 1, kTailBytes = 0;
+};
+struct NVFP4Layout : Q4_1Layout {
+  static constexpr int64_t kTailBytes = 4 * kTileRows;
 };
 
 template <typename Layout>
 constexpr int64_t tile_block_bytes() { return Layout::kScaleBytes + Layout::kQuantBytes; }
 
-inline int64_t tile_block_bytes(int64_t type) {
-  return type == kQ4_1 ? tile_block_bytes<Q4_1Layout>() : tile_block_bytes<Q8_0Layout>();
+// f(Layout{}) for the layout of `type` (one of GGMLType).
+template <typename F>
+auto with_layout(int64_t type, F f) {
+  switch (type) {
+    case kQ4_1: return f(Q4_1Layout{});
+    case kQ8_0: return f(Q8_0Layout{});
+    case kMXFP4: return f(MXFP4Layout{});
+    default: return f(NVFP4Layout{});
+  }
+}
+
+inline bool is_kernel_type(int64_t type) {
+  return type == kQ4_1 || type == kQ8_0 || type == kMXFP4 || type == kNVFP4;
+}
+
+// A tile's bytes for rows of K weights.
+inline int64_t tile_bytes(int64_t type, int64_t K) {
+  return with_layout(type, [K](auto l) {
+    using L = decltype(l);
+    return K / kBlock * tile_block_bytes<L>() + L::kTailBytes;
+  });
 }
 
 inline float fp16_to_float(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// Bytes of one row's block, and of its scale fields (d, and m for Q4_1).
-inline int64_t block_bytes(int64_t type) { return tile_block_bytes(type) / kTileRows; }
+// Bytes of one row's block, of its scale fields, and of one such field.
+inline int64_t block_bytes(int64_t type) {
+  return with_layout(type, [](auto l) { return tile_block_bytes<decltype(l)>() / kTileRows; });
+}
 inline int64_t scale_bytes(int64_t type) {
-  return (type == kQ4_1 ? Q4_1Layout::kScaleBytes : Q8_0Layout::kScaleBytes) / kTileRows;
+  return with_layout(type, [](auto l) { return decltype(l)::kScaleBytes / kTileRows; });
+}
+inline int64_t scale_field_bytes(int64_t type) {
+  return with_layout(type, [](auto l) { return decltype(l)::kScaleField; });
 }
 
 inline float fp16_at(const uint8_t* p) {
@@ -115,9 +168,10 @@ PRECISE void dequantize_q8_0(const uint8_t* block, float* w) {
   for (int j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(qs[j]);
 }
 
-void check_blocks(const torch::Tensor& t, int64_t type, const char* op) {
-  TORCH_CHECK(type == kQ4_1 || type == kQ8_0, op, ": type must be 3 (Q4_1) or 8 (Q8_0), got ",
-              type);
+// GGUF rows of `type` (dequantize_gguf_blocks: Q4_1 or Q8_0; repack_gguf_blocks: MXFP4 too).
+void check_blocks(const torch::Tensor& t, int64_t type, bool mxfp4, const char* op) {
+  TORCH_CHECK(type == kQ4_1 || type == kQ8_0 || (mxfp4 && type == kMXFP4), op,
+              ": type must be 3 (Q4_1), 8 (Q8_0)", mxfp4 ? " or 39 (MXFP4)" : "", ", got ", type);
   TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_cpu(), op,
               ": expected a uint8 [rows, blocks * type_size] CPU tensor");
   TORCH_CHECK(t.size(1) % block_bytes(type) == 0, op, ": rows of ", t.size(1),
@@ -131,6 +185,7 @@ struct ActivationBlocks {
   std::vector<float> d;      // [M, blocks]
   std::vector<float> s;      // [M, blocks]: d * sum(q)
   std::vector<int32_t> sum;  // [M, blocks]: sum(q)
+  std::vector<int32_t> sum_low;  // [M, blocks]: the sum of the block's first 16 q
 };
 
 // 1.5 * 2^23: for |v| <= 2^22, (v + kRoundMagic) - kRoundMagic is v rounded half to even
@@ -138,8 +193,9 @@ struct ActivationBlocks {
 // vectorizes; fast-math is off here so that the compiler keeps it.
 constexpr float kRoundMagic = 12582912.f;
 
-// One block of 32 values of x: its quants q, d, s and sum.
-PRECISE void quantize_block(const float* x, int8_t* q, float* d, float* s, int32_t* sum) {
+// One block of 32 values of x: its quants q, d, s, sum and sum_low.
+PRECISE void quantize_block(const float* x, int8_t* q, float* d, float* s, int32_t* sum,
+                            int32_t* sum_low) {
   float amax = 0.f;
   for (int j = 0; j < kBlock; ++j) {
     const float a = x[j] < 0.f ? -x[j] : x[j];
@@ -147,23 +203,27 @@ PRECISE void quantize_block(const float* x, int8_t* q, float* d, float* s, int32
   }
   *d = amax / 127.f;
   const float id = *d > 0.f ? 1.f / *d : 0.f;
-  int32_t total = 0;
+  int32_t total = 0, low = 0;
   for (int j = 0; j < kBlock; ++j) {
     const int32_t v = static_cast<int32_t>((x[j] * id + kRoundMagic) - kRoundMagic);
     q[j] = static_cast<int8_t>(v);
     total += v;
+    if (j == kBlock / 2 - 1) low = total;
   }
   *s = *d * static_cast<float>(total);
   *sum = total;
+  *sum_low = low;
 }
 
 ActivationBlocks quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock;
   ActivationBlocks a{nb, std::vector<int8_t>(M * K), std::vector<float>(M * nb),
-                     std::vector<float>(M * nb), std::vector<int32_t>(M * nb)};
+                     std::vector<float>(M * nb), std::vector<int32_t>(M * nb),
+                     std::vector<int32_t>(M * nb)};
   at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      quantize_block(x + i * kBlock, &a.q[i * kBlock], &a.d[i], &a.s[i], &a.sum[i]);
+      quantize_block(x + i * kBlock, &a.q[i * kBlock], &a.d[i], &a.s[i], &a.sum[i],
+                     &a.sum_low[i]);
   });
   return a;
 }
@@ -188,6 +248,22 @@ struct Lanes {
   static inline I dot_u8(I acc, I w, int32_t a4) {
     return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(a4));
   }
+  // A 16-byte table in every 128-bit lane, and each byte of idx (< 16) looked up in it.
+  static inline I table(const int8_t* t) {
+    return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+  }
+  static inline I lookup(I table, I idx) { return _mm512_shuffle_epi8(table, idx); }
+  // 16 E8M0 bytes e -> 2^(e - 128) exactly (ggml_e8m0_to_fp32_half): the float32 bits
+  // (e - 1) << 23, or for e < 2 the subnormal 0x00200000 << e.
+  static inline F e8m0_half(const uint8_t* p) {
+    const I e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const I normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const I subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, subnormal));
+  }
+  static inline F loadf(const uint8_t* p) { return _mm512_loadu_ps(p); }
+  static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static inline I zero() { return _mm512_setzero_si512(); }
   static inline I add(I a, int32_t b) { return _mm512_add_epi32(a, _mm512_set1_epi32(b)); }
   static inline F fzero() { return _mm512_setzero_ps(); }
@@ -216,12 +292,28 @@ struct Lanes {
     return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
   }
   // Pairs to int16 and pairs of those. No saturation for Q4_1's quants (w <= 15: pairs of
-  // at most 2 * 15 * 127); Q8_0 multiplies its own way (see there).
+  // at most 2 * 15 * 127) nor FP4's (w <= 24); Q8_0 multiplies its own way (see there).
   static inline I dot_u8(I acc, I w, int32_t a4) {
     const I p = _mm256_maddubs_epi16(w, _mm256_set1_epi32(a4));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
   }
+  static inline I table(const int8_t* t) {
+    return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+  }
+  static inline I lookup(I table, I idx) { return _mm256_shuffle_epi8(table, idx); }
+  static inline F e8m0_half(const uint8_t* p) {  // 8 E8M0 bytes, as the AVX-512 one
+    const I e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const I normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const I subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const I small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
+  }
+  static inline F loadf(const uint8_t* p) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+  static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static inline I zero() { return _mm256_setzero_si256(); }
+  static inline I add(I a, int32_t b) { return _mm256_add_epi32(a, _mm256_set1_epi32(b)); }
   static inline F fzero() { return _mm256_setzero_ps(); }
   static inline F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static inline F mul(F a, float b) { return _mm256_mul_ps(a, _mm256_set1_ps(b)); }
@@ -235,59 +327,140 @@ struct Lanes {
 #if defined(PAGEDSERVE_A8_AVX512) || defined(PAGEDSERVE_A8_AVX2)
 
 // Per lane, the sum over k of register w[k]'s 4 unsigned bytes times activation quants
-// 4k..4k+3: a block's integer dot products for the tile's rows.
-inline Lanes::I dot_u8_block(const Lanes::I w[8], const int32_as_bytes* a4) {
+// 4k..4k+3 (k from k0 to k1 - 1): a block's integer dot products for the tile's rows.
+inline Lanes::I dot_u8_block(const Lanes::I w[8], const int32_as_bytes* a4, int k0 = 0,
+                             int k1 = 8) {
   Lanes::I acc = Lanes::zero();
-  for (int k = 0; k < 8; ++k) acc = Lanes::dot_u8(acc, w[k], a4[k]);
+  for (int k = k0; k < k1; ++k) acc = Lanes::dot_u8(acc, w[k], a4[k]);
   return acc;
 }
 
-// A block's quants of kRows rows as 8 registers, register k pairing with activation
-// quants 4k..4k+3, and the block's integer dot products with one row of activations.
-struct Q4_1 : Q4_1Layout {
-  static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
-    for (int c = 0; c < 4; ++c) {
-      const Lanes::I v = Lanes::load(qs + c * 4 * kTileRows + lane_offset);
-      w[c] = Lanes::low_nibbles(v);
-      w[4 + c] = Lanes::high_nibbles(v);
-    }
+// A format says, for kRows rows of a tile: how to load a block's scales (once per block,
+// shared by every row of x), its quants as 8 registers (register k pairing with
+// activation quants 4k..4k+3), how the block adds to one row of x's outputs
+// (accumulate), and what applies to the sums after the last block (finish; the tile's
+// tail holds what it needs).
+struct NoTail {
+  static inline Lanes::F finish(Lanes::F acc, const uint8_t*, int64_t) { return acc; }
+};
+
+// The 4-bit quants of a block, low nibbles then high ones (both Q4_1 and FP4).
+inline void nibbles(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
+  for (int c = 0; c < 4; ++c) {
+    const Lanes::I v = Lanes::load(qs + c * 4 * kTileRows + lane_offset);
+    w[c] = Lanes::low_nibbles(v);
+    w[4 + c] = Lanes::high_nibbles(v);
   }
-  static inline Lanes::I dot(const Lanes::I w[8], const int32_as_bytes* a4, int32_t) {
-    return dot_u8_block(w, a4);
+}
+
+struct Q4_1 : Q4_1Layout, NoTail {
+  struct Scales { Lanes::F d, m; };
+  static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
+    return {Lanes::scales(blk + lane_offset / 2),
+            Lanes::scales(blk + 2 * kTileRows + lane_offset / 2)};
+  }
+  static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
+    nibbles(qs, lane_offset, w);
+  }
+  static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
+                                    const int32_as_bytes* a4, const ActivationBlocks& a,
+                                    int64_t i) {
+    acc = Lanes::fma(Lanes::cvt(dot_u8_block(w, a4)), Lanes::mul(s.d, a.d[i]), acc);
+    return Lanes::fma(s.m, a.s[i], acc);
+  }
+};
+
+// Q8_0's integer dot products (two ways, below), then d da.
+struct Q8_0Scales : Q8_0Layout, NoTail {
+  struct Scales { Lanes::F d; };
+  static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
+    return {Lanes::scales(blk + lane_offset / 2)};
   }
 };
 
 #if defined(PAGEDSERVE_A8_AVX512)
 // vpdpbusd takes unsigned weights: q + 128 (the sign bit flipped), then
 // sum (q + 128) a - 128 sum a = sum q a.
-struct Q8_0 : Q8_0Layout {
+struct Q8_0 : Q8_0Scales {
   static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
     for (int c = 0; c < 8; ++c)
       w[c] = Lanes::flip_sign_bits(Lanes::load(qs + c * 4 * kTileRows + lane_offset));
   }
-  static inline Lanes::I dot(const Lanes::I w[8], const int32_as_bytes* a4, int32_t asum) {
-    return Lanes::add(dot_u8_block(w, a4), -128 * asum);
+  static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
+                                    const int32_as_bytes* a4, const ActivationBlocks& a,
+                                    int64_t i) {
+    const Lanes::I dots = Lanes::add(dot_u8_block(w, a4), -128 * a.sum[i]);
+    return Lanes::fma(Lanes::cvt(dots), Lanes::mul(s.d, a.d[i]), acc);
   }
 };
 #else
 // The signed quants as they are, multiplied as |q| times a with q's sign: pairs stay
 // within int16 (|q| <= 128, |a| <= 127).
-struct Q8_0 : Q8_0Layout {
+struct Q8_0 : Q8_0Scales {
   static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
     for (int c = 0; c < 8; ++c) w[c] = Lanes::load(qs + c * 4 * kTileRows + lane_offset);
   }
-  static inline Lanes::I dot(const Lanes::I w[8], const int32_as_bytes* a4, int32_t) {
-    Lanes::I acc = Lanes::zero();
+  static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
+                                    const int32_as_bytes* a4, const ActivationBlocks& a,
+                                    int64_t i) {
+    Lanes::I dots = Lanes::zero();
     for (int k = 0; k < 8; ++k) {
-      const Lanes::I a = _mm256_set1_epi32(a4[k]);
+      const Lanes::I av = _mm256_set1_epi32(a4[k]);
       const Lanes::I p =
-          _mm256_maddubs_epi16(_mm256_sign_epi8(w[k], w[k]), _mm256_sign_epi8(a, w[k]));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+          _mm256_maddubs_epi16(_mm256_sign_epi8(w[k], w[k]), _mm256_sign_epi8(av, w[k]));
+      dots = _mm256_add_epi32(dots, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
     }
-    return acc;
+    return Lanes::fma(Lanes::cvt(dots), Lanes::mul(s.d, a.d[i]), acc);
   }
 };
 #endif
+
+// FP4 codes looked up as kFP4Biased (unsigned), in Q4_1's nibble order.
+inline void fp4_quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
+  const Lanes::I table = Lanes::table(kFP4Biased);
+  nibbles(qs, lane_offset, w);
+  for (int k = 0; k < 8; ++k) w[k] = Lanes::lookup(table, w[k]);
+}
+
+struct MXFP4 : MXFP4Layout, NoTail {
+  struct Scales { Lanes::F d; };
+  static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
+    return {Lanes::e8m0_half(blk + lane_offset / 4)};
+  }
+  static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
+    fp4_quants(qs, lane_offset, w);
+  }
+  static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
+                                    const int32_as_bytes* a4, const ActivationBlocks& a,
+                                    int64_t i) {
+    const Lanes::I dots = Lanes::add(dot_u8_block(w, a4), -kFP4Bias * a.sum[i]);
+    return Lanes::fma(Lanes::cvt(dots), Lanes::mul(s.d, a.d[i]), acc);
+  }
+};
+
+struct NVFP4 : NVFP4Layout {
+  struct Scales { Lanes::F low, high; };  // of quants 0..15 and 16..31
+  static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
+    return {Lanes::scales(blk + lane_offset / 2),
+            Lanes::scales(blk + 2 * kTileRows + lane_offset / 2)};
+  }
+  static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
+    fp4_quants(qs, lane_offset, w);
+  }
+  static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
+                                    const int32_as_bytes* a4, const ActivationBlocks& a,
+                                    int64_t i) {
+    const int32_t low_sum = a.sum_low[i], high_sum = a.sum[i] - low_sum;
+    // Registers 0..3 hold quants 0..15 (low nibbles), 4..7 quants 16..31.
+    const Lanes::I low = Lanes::add(dot_u8_block(w, a4, 0, 4), -kFP4Bias * low_sum);
+    const Lanes::I high = Lanes::add(dot_u8_block(w, a4, 4, 8), -kFP4Bias * high_sum);
+    acc = Lanes::fma(Lanes::cvt(low), Lanes::mul(s.low, a.d[i]), acc);
+    return Lanes::fma(Lanes::cvt(high), Lanes::mul(s.high, a.d[i]), acc);
+  }
+  static inline Lanes::F finish(Lanes::F acc, const uint8_t* tail, int64_t lane_offset) {
+    return Lanes::mul(acc, Lanes::loadf(tail + lane_offset));  // the rows' r
+  }
+};
 
 // out[m * ldo + r] for r < kRows, m < MT: rows m0.. of x times kRows rows of a tile
 // (lane_offset: their bytes' offset within each 64-byte group of the tile).
@@ -302,21 +475,17 @@ void tile_rows(const uint8_t* tile, int64_t lane_offset, const ActivationBlocks&
     if (prefetch)
       for (int64_t off = 0; off < tile_block_bytes<Format>(); off += 64)
         __builtin_prefetch(blk + kPrefetchBytes + off);
-    const Lanes::F d = Lanes::scales(blk + lane_offset / 2);
-    const Lanes::F mins = Format::kHasMin ? Lanes::scales(blk + 2 * kTileRows + lane_offset / 2)
-                                          : Lanes::fzero();
+    const typename Format::Scales scales = Format::scales(blk, lane_offset);
     Lanes::I w[8];
     Format::quants(blk + Format::kScaleBytes, lane_offset, w);
     for (int m = 0; m < MT; ++m) {
-      const int64_t i = (m0 + m) * nb + b;
       const auto* a4 =
           reinterpret_cast<const int32_as_bytes*>(a.q.data() + (m0 + m) * K + b * kBlock);
-      const Lanes::I dots = Format::dot(w, a4, a.sum[i]);
-      acc[m] = Lanes::fma(Lanes::cvt(dots), Lanes::mul(d, a.d[i]), acc[m]);
-      if (Format::kHasMin) acc[m] = Lanes::fma(mins, a.s[i], acc[m]);
+      acc[m] = Format::accumulate(acc[m], scales, w, a4, a, (m0 + m) * nb + b);
     }
   }
-  for (int m = 0; m < MT; ++m) Lanes::store(out + m * ldo, acc[m]);
+  const uint8_t* tail = tile + nb * tile_block_bytes<Format>();
+  for (int m = 0; m < MT; ++m) Lanes::store(out + m * ldo, Format::finish(acc[m], tail, lane_offset));
 }
 
 template <typename Format, int MT>
@@ -329,17 +498,72 @@ void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, float
 
 #else  // portable: the same layout, one product at a time
 
-struct Q4_1 : Q4_1Layout {
-  // quant j of row r of a tile's block
-  static inline int32_t quant(const uint8_t* qs, int64_t r, int j) {
-    const uint8_t byte = qs[(j % 16) / 4 * 4 * kTileRows + 4 * r + j % 4];
-    return j < 16 ? (byte & 0x0F) : (byte >> 4);
+// Per format: quant j of row r of a tile's block (signed, FP4's doubled), the block's
+// addition to row r's output for one row of x, and row r's factor after the last block.
+inline int32_t nibble(const uint8_t* qs, int64_t r, int j) {
+  const uint8_t byte = qs[(j % 16) / 4 * 4 * kTileRows + 4 * r + j % 4];
+  return j < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
+template <typename Format>
+int32_t int_dot(const uint8_t* qs, int64_t r, const int8_t* aq, int j0, int j1) {
+  int32_t sum = 0;
+  for (int j = j0; j < j1; ++j) sum += Format::quant(qs, r, j) * aq[j];
+  return sum;
+}
+
+struct NoTail {
+  static inline float row_factor(const uint8_t*, int64_t) { return 1.f; }
+};
+
+struct Q4_1 : Q4_1Layout, NoTail {
+  static inline int32_t quant(const uint8_t* qs, int64_t r, int j) { return nibble(qs, r, j); }
+  static inline float block(const uint8_t* blk, int64_t r, const int8_t* aq,
+                            const ActivationBlocks& a, int64_t i) {
+    const float d = fp16_at(blk + 2 * r), m = fp16_at(blk + 2 * (kTileRows + r));
+    const int32_t sum = int_dot<Q4_1>(blk + kScaleBytes, r, aq, 0, kBlock);
+    return static_cast<float>(sum) * (d * a.d[i]) + m * a.s[i];
   }
 };
 
-struct Q8_0 : Q8_0Layout {
+struct Q8_0 : Q8_0Layout, NoTail {
   static inline int32_t quant(const uint8_t* qs, int64_t r, int j) {
     return static_cast<int8_t>(qs[j / 4 * 4 * kTileRows + 4 * r + j % 4]);
+  }
+  static inline float block(const uint8_t* blk, int64_t r, const int8_t* aq,
+                            const ActivationBlocks& a, int64_t i) {
+    const int32_t sum = int_dot<Q8_0>(blk + kScaleBytes, r, aq, 0, kBlock);
+    return static_cast<float>(sum) * (fp16_at(blk + 2 * r) * a.d[i]);
+  }
+};
+
+struct MXFP4 : MXFP4Layout, NoTail {
+  static inline int32_t quant(const uint8_t* qs, int64_t r, int j) {
+    return kFP4Values[nibble(qs, r, j)];
+  }
+  static inline float block(const uint8_t* blk, int64_t r, const int8_t* aq,
+                            const ActivationBlocks& a, int64_t i) {
+    const float d = std::ldexp(1.f, static_cast<int>(blk[r]) - 128);  // exact
+    const int32_t sum = int_dot<MXFP4>(blk + kScaleBytes, r, aq, 0, kBlock);
+    return static_cast<float>(sum) * (d * a.d[i]);
+  }
+};
+
+struct NVFP4 : NVFP4Layout {
+  static inline int32_t quant(const uint8_t* qs, int64_t r, int j) {
+    return kFP4Values[nibble(qs, r, j)];
+  }
+  static inline float block(const uint8_t* blk, int64_t r, const int8_t* aq,
+                            const ActivationBlocks& a, int64_t i) {
+    const float low = fp16_at(blk + 2 * r), high = fp16_at(blk + 2 * (kTileRows + r));
+    const int32_t lo = int_dot<NVFP4>(blk + kScaleBytes, r, aq, 0, kBlock / 2);
+    const int32_t hi = int_dot<NVFP4>(blk + kScaleBytes, r, aq, kBlock / 2, kBlock);
+    return static_cast<float>(lo) * (low * a.d[i]) + static_cast<float>(hi) * (high * a.d[i]);
+  }
+  static inline float row_factor(const uint8_t* tail, int64_t r) {
+    float f;
+    std::memcpy(&f, tail + 4 * r, 4);
+    return f;
   }
 };
 
@@ -350,30 +574,23 @@ void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, float
   float acc[MT][kTileRows] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = tile + b * tile_block_bytes<Format>();
-    const uint8_t* qs = blk + Format::kScaleBytes;
-    for (int64_t r = 0; r < kTileRows; ++r) {
-      uint16_t bits[2] = {};
-      std::memcpy(&bits[0], blk + 2 * r, 2);
-      if (Format::kHasMin) std::memcpy(&bits[1], blk + 2 * (kTileRows + r), 2);
-      const float d = fp16_to_float(bits[0]), mw = fp16_to_float(bits[1]);
+    for (int64_t r = 0; r < kTileRows; ++r)
       for (int m = 0; m < MT; ++m) {
         const int8_t* aq = a.q.data() + (m0 + m) * K + b * kBlock;
-        int32_t sum = 0;
-        for (int j = 0; j < kBlock; ++j) sum += Format::quant(qs, r, j) * aq[j];
-        const int64_t i = (m0 + m) * nb + b;
-        acc[m][r] += static_cast<float>(sum) * (d * a.d[i]) + mw * a.s[i];
+        acc[m][r] += Format::block(blk, r, aq, a, (m0 + m) * nb + b);
       }
-    }
   }
+  const uint8_t* tail = tile + nb * tile_block_bytes<Format>();
   for (int m = 0; m < MT; ++m)
-    for (int64_t r = 0; r < kTileRows; ++r) out[m * ldo + r] = acc[m][r];
+    for (int64_t r = 0; r < kTileRows; ++r)
+      out[m * ldo + r] = acc[m][r] * Format::row_factor(tail, r);
 }
 
 #endif
 
 template <typename Format>
 void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, float* out) {
-  const int64_t tile_bytes = a.blocks_per_row * tile_block_bytes<Format>();
+  const int64_t tile_bytes = a.blocks_per_row * tile_block_bytes<Format>() + Format::kTailBytes;
   at::parallel_for(0, N / kTileRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = W + t * tile_bytes;
@@ -396,38 +613,39 @@ void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, 
 
 }  // namespace
 
-// qweight: uint8 [N / 16, K / 32 * tile block bytes] (320 for Q4_1, 544 for Q8_0), GGUF
-// blocks repacked in tiles of 16 rows (see the layout above); x: float32 [M, K], K a
-// multiple of 32. Returns float32 [M, N]. Raises (RuntimeError) on another qweight_type,
-// dtype or shape.
+// qweight: uint8 [N / 16, K / 32 * tile block bytes + tail bytes] (320 for Q4_1, 544 for
+// Q8_0, 272 for MXFP4, 320 + 64 for NVFP4), blocks repacked in tiles of 16 rows (see the
+// layout above); x: float32 [M, K], K a multiple of 32. Returns float32 [M, N]. Raises
+// (RuntimeError) on another qweight_type, dtype or shape.
 torch::Tensor ggml_mul_mat_a8(torch::Tensor qweight, torch::Tensor x, int64_t qweight_type) {
-  TORCH_CHECK(qweight_type == kQ4_1 || qweight_type == kQ8_0,
-              "ggml_mul_mat_a8: qweight_type must be 3 (Q4_1) or 8 (Q8_0), got ", qweight_type);
+  TORCH_CHECK(is_kernel_type(qweight_type), "ggml_mul_mat_a8: qweight_type must be 3 (Q4_1), ",
+              "8 (Q8_0), 39 (MXFP4) or 40 (NVFP4), got ", qweight_type);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
               "ggml_mul_mat_a8: qweight must be a contiguous uint8 [N / 16, tile_bytes] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2,
               "ggml_mul_mat_a8: x must be a float32 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * kTileRows;
-  const int64_t tile_bytes = K / kBlock * tile_block_bytes(qweight_type);
-  TORCH_CHECK(K % kBlock == 0 && qweight.size(1) == tile_bytes,
+  TORCH_CHECK(K % kBlock == 0 && qweight.size(1) == tile_bytes(qweight_type, K),
               "ggml_mul_mat_a8: x has K = ", K, " columns, qweight tiles have ", qweight.size(1),
-              " bytes; expected K a multiple of 32 and K / 32 * ", tile_block_bytes(qweight_type),
-              " bytes");
+              " bytes; expected K a multiple of 32 and ", tile_bytes(qweight_type, K), " bytes");
   x = x.contiguous();
   const ActivationBlocks a = quantize_rows(x.data_ptr<float>(), M, K);
   auto out = torch::empty({M, N}, x.options());
   const uint8_t* W = qweight.data_ptr<uint8_t>();
-  if (qweight_type == kQ4_1)
-    mul_mat<Q4_1>(W, a, M, N, out.data_ptr<float>());
-  else
-    mul_mat<Q8_0>(W, a, M, N, out.data_ptr<float>());
+  float* o = out.data_ptr<float>();
+  switch (qweight_type) {
+    case kQ4_1: mul_mat<Q4_1>(W, a, M, N, o); break;
+    case kQ8_0: mul_mat<Q8_0>(W, a, M, N, o); break;
+    case kMXFP4: mul_mat<MXFP4>(W, a, M, N, o); break;
+    default: mul_mat<NVFP4>(W, a, M, N, o); break;
+  }
   return out;
 }
 
 // Load-time conversions (see the top of the file); raise (RuntimeError) on another type,
 // dtype or shape.
 torch::Tensor dequantize_gguf_blocks(torch::Tensor blocks, int64_t type) {
-  check_blocks(blocks, type, "dequantize_gguf_blocks");
+  check_blocks(blocks, type, false, "dequantize_gguf_blocks");
   blocks = blocks.contiguous();
   const int64_t size = block_bytes(type), rows = blocks.size(0);
   const int64_t num_blocks = rows * (blocks.size(1) / size);
@@ -446,13 +664,14 @@ torch::Tensor dequantize_gguf_blocks(torch::Tensor blocks, int64_t type) {
 }
 
 torch::Tensor repack_gguf_blocks(torch::Tensor rows, int64_t type) {
-  check_blocks(rows, type, "repack_gguf_blocks");
+  check_blocks(rows, type, true, "repack_gguf_blocks");
   TORCH_CHECK(rows.size(0) % kTileRows == 0, "repack_gguf_blocks: ", rows.size(0),
               " rows are not whole tiles of ", kTileRows);
   rows = rows.contiguous();
   const int64_t size = block_bytes(type), row_bytes = rows.size(1);
   const int64_t blocks_per_row = row_bytes / size, tiles = rows.size(0) / kTileRows;
-  const int64_t scales = scale_bytes(type), chunks = (size - scales) / 4;
+  const int64_t scales = scale_bytes(type), field = scale_field_bytes(type);
+  const int64_t chunks = (size - scales) / 4;
   auto out = torch::empty({tiles, kTileRows * row_bytes}, torch::kByte);
   const uint8_t* in = rows.data_ptr<uint8_t>();
   uint8_t* packed = out.data_ptr<uint8_t>();
@@ -461,9 +680,9 @@ torch::Tensor repack_gguf_blocks(torch::Tensor rows, int64_t type) {
       uint8_t* o = packed + t * kTileRows * row_bytes;
       for (int64_t b = 0; b < blocks_per_row; ++b) {
         const uint8_t* tile_block = in + t * kTileRows * row_bytes + b * size;
-        for (int64_t field = 0; field < scales; field += 2)  // d, then m
-          for (int64_t r = 0; r < kTileRows; ++r, o += 2)
-            std::memcpy(o, tile_block + r * row_bytes + field, 2);
+        for (int64_t f = 0; f < scales; f += field)  // d, then m (Q4_1); e (MXFP4)
+          for (int64_t r = 0; r < kTileRows; ++r, o += field)
+            std::memcpy(o, tile_block + r * row_bytes + f, field);
         for (int64_t c = 0; c < chunks; ++c)
           for (int64_t r = 0; r < kTileRows; ++r, o += 4)
             std::memcpy(o, tile_block + r * row_bytes + scales + 4 * c, 4);

@@ -35,7 +35,7 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"
 SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 _Q = GGMLQuantizationType
 SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q8_0, _Q.Q4_K,
-                   _Q.Q5_K, _Q.Q6_K)
+                   _Q.Q5_K, _Q.Q6_K, _Q.MXFP4, _Q.NVFP4)
 
 _SCALAR = {VT.UINT8: "B", VT.INT8: "b", VT.UINT16: "H", VT.INT16: "h", VT.UINT32: "I",
            VT.INT32: "i", VT.FLOAT32: "f", VT.BOOL: "?", VT.UINT64: "Q", VT.INT64: "q",

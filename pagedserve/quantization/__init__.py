@@ -5,7 +5,9 @@ them (``base.py`` says what a method is).
 
     base.py         Linear, LinearWeight, QuantizationMethod, LoadContext
     none.py         float weights (GGUF dequantized at load): the exact path; fixed-order GEMM
-    gguf.py         GGUF Q4_1 / Q8_0 blocks with 8-bit activations, every step (CPU)
+    gguf.py         GGUF Q4_1 / Q8_0 / MXFP4 / NVFP4 blocks with 8-bit activations (CPU)
+    fp4_formats.py  MXFP4 and NVFP4: quantize, dequantize, the block kernel's bytes
+    fp4.py          FP4 weights (MXFP4, NVFP4), from the file or quantized at load (CPU)
     int8.py         W8A8 int8 rows, per-token activation scales (CPU)
     smoothquant.py  int8's calibration: activation outliers moved into the weights
 
@@ -19,6 +21,7 @@ import pathlib
 
 from pagedserve.cpu_ops import cpu_ops_available
 from pagedserve.quantization.base import QuantizationMethod
+from pagedserve.quantization.fp4 import MXFP4Method, NVFP4Method
 from pagedserve.quantization.gguf import GGUFMethod
 from pagedserve.quantization.int8 import Int8Method
 from pagedserve.quantization.none import NoneMethod
@@ -28,7 +31,9 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS: dict[str, type[QuantizationMethod]] = {
     "gguf": GGUFMethod,
     "int8": Int8Method,
+    "mxfp4": MXFP4Method,
     "none": NoneMethod,
+    "nvfp4": NVFP4Method,
 }
 QUANTIZATION_CHOICES = tuple(QUANTIZATION_METHODS)
 
@@ -42,7 +47,8 @@ def get_quantization_method(name: str | None, model_path: pathlib.Path, device: 
     device or with tensor parallelism falls back to ``none`` (logged).
 
     Raises ValueError for a name not in ``QUANTIZATION_CHOICES``, ``gguf`` for a model that
-    is not a GGUF file, or ``int8`` on a device other than the CPU.
+    is not a GGUF file, a CPU-only method (int8, mxfp4, nvfp4) on another device, or an FP4
+    method where the C++ kernels did not build.
     """
     if name is not None and name not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} or "
@@ -50,8 +56,12 @@ def get_quantization_method(name: str | None, model_path: pathlib.Path, device: 
     is_gguf = pathlib.Path(model_path).suffix.lower() == ".gguf"
     if name == "gguf" and not is_gguf:
         raise ValueError(f"quantization 'gguf' needs a .gguf model; got {str(model_path)!r}")
-    if name == "int8" and device != "cpu":
-        raise ValueError(f"quantization 'int8' runs on CPU only; got device {device!r}")
+    method = QUANTIZATION_METHODS.get(name)
+    if method is not None and method.cpu_only and device != "cpu":
+        raise ValueError(f"quantization {name!r} runs on CPU only; got device {device!r}")
+    if method is not None and method.needs_cpu_ops and not cpu_ops_available():
+        raise ValueError(f"quantization {name!r} needs the C++ CPU kernels, which did not "
+                         "build here (see the log)")
     if name is None:
         name = "gguf" if is_gguf else "none"
     if name == "gguf" and device != "cpu":

@@ -92,9 +92,12 @@ class LoadContext:
 
 
 class QuantizationMethod:
-    """A method as the registry holds it. ``name`` is the ``--quantization`` value."""
+    """A method as the registry holds it. ``name`` is the ``--quantization`` value;
+    ``cpu_only``: it computes on CPU only; ``needs_cpu_ops``: only with our C++ kernels."""
 
     name: str
+    cpu_only = False
+    needs_cpu_ops = False
 
     def process_model(self, model: nn.Module, ctx: LoadContext) -> str:
         """Give each ``Linear`` of the loaded ``model`` its ``LinearWeight``; returns one

@@ -1,5 +1,6 @@
 """GGUF block kernels on CPU: the default for GGUF models (``--quantization`` unset or
-``gguf``). Weights stored as Q4_1 or Q8_0 keep their GGUF blocks, and every step
+``gguf``). Weights stored as Q4_1, Q8_0, MXFP4 or NVFP4 keep their GGUF blocks (NVFP4's
+converted to the kernel's rows, ``fp4_formats.py``), and every step
 multiplies by the blocks directly, with 8-bit activations (``torch.ops.pagedserve.
 ggml_mul_mat_a8``, ``csrc/gguf_gemm_cpu.cpp``), as llama.cpp's CPU backend and vLLM's GGUF
 kernels (``ggml_mul_mat_vec_a8``) do.
@@ -31,20 +32,21 @@ from torch import nn
 from pagedserve.cpu_ops import load_cpu_ops
 from pagedserve.model_loader.gguf_file import iter_gguf_blocks
 from pagedserve.quantization.base import EMPTY, Linear, LoadContext, QuantizationMethod, linears
+from pagedserve.quantization.fp4_formats import nvfp4_ggml_to_kernel
 from pagedserve.quantization.none import float_weight
 
 logger = logging.getLogger(__name__)
 
 # The block types the kernel reads.
-KERNEL_TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+KERNEL_TYPES = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+                GGMLQuantizationType.MXFP4, GGMLQuantizationType.NVFP4)
 TILE_ROWS = 16  # output rows per tile of the kernel's layout
 
 
 @dataclass(frozen=True)
 class GGUFWeight:
-    """A weight ``[N, K]`` as GGUF blocks in the kernel's layout (``repack_blocks``):
-    ``qweight`` uint8 ``[N / 16, K / 32 * 16 * type_size]``, ``qtype`` one of
-    ``KERNEL_TYPES``."""
+    """A weight ``[N, K]`` as blocks in the kernel's layout (``repack_blocks``): ``qweight``
+    uint8 ``[N / 16, tile bytes]``, ``qtype`` one of ``KERNEL_TYPES``."""
 
     qweight: torch.Tensor
     qtype: GGMLQuantizationType
@@ -72,7 +74,10 @@ def repack_blocks(rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tens
     (``[chunk][row][4 bytes]``). The same bytes, moved so that one 64-byte load holds 4
     quant bytes of each of 16 rows (layout: ``csrc/gguf_gemm_cpu.cpp``), by the C++ op
     ``repack_gguf_blocks``. Returns uint8 ``[N / 16, K / 32 * 16 * type_size]``; raises
-    RuntimeError for another type or row count."""
+    RuntimeError for another type or row count. ggml's NVFP4 rows (blocks of 64) become
+    the kernel's own NVFP4 tiles instead (``fp4_formats.nvfp4_ggml_to_kernel``)."""
+    if qtype == GGMLQuantizationType.NVFP4:
+        return nvfp4_ggml_to_kernel(rows)
     return load_cpu_ops().repack_gguf_blocks(rows, int(qtype))
 
 

@@ -114,6 +114,7 @@ class Int8Method(QuantizationMethod):
     a calibration prefill alone) ``FLOAT_LAYERS`` stay float and nothing is smoothed."""
 
     name = "int8"
+    cpu_only = True
 
     def process_model(self, model: nn.Module, ctx: LoadContext) -> str:
         smoothed = 0

@@ -1,4 +1,5 @@
-"""SmoothQuant for ``--quantization int8``: move activation outliers into the weights.
+"""SmoothQuant for ``--quantization int8`` (and FP4's): move activation outliers into the
+weights.
 
 Xiao et al. 2023, "SmoothQuant: Accurate and Efficient Post-Training Quantization for Large
 Language Models" (arXiv:2211.10438), eq. 4: for ``y = x @ W.T`` with ``x [T, K]``, per input
@@ -100,10 +101,13 @@ def smoothable(model: nn.Module) -> bool:
 
 
 def smooth_model(model: nn.Module, token_ids: list[list[int]],
-                 prefill: Callable[[list[int]], object]) -> int:
+                 prefill: Callable[[list[int]], object], norm_alpha: float = NORM_ALPHA,
+                 down_alpha: float = DOWN_ALPHA) -> int:
     """Calibrate on ``token_ids`` (``prefill(ids)`` runs ``model`` over one prompt) and
-    fold SmoothQuant scales into every decoder layer; call before quantizing. Returns the
-    number of layers smoothed. Raises ``ValueError`` if not ``smoothable(model)``."""
+    fold SmoothQuant scales (migration strength ``norm_alpha`` for the norm-fed
+    projections, ``down_alpha`` for down_proj) into every decoder layer; call before
+    quantizing. Returns the number of layers smoothed. Raises ``ValueError`` if not
+    ``smoothable(model)``."""
     layers = model.plain_pre_norm_layers()
     if layers is None:
         raise ValueError("SmoothQuant needs plain pre-norm decoder layers (LlamaDecoderLayer "
@@ -116,10 +120,10 @@ def smooth_model(model: nn.Module, token_ids: list[list[int]],
             mlp = layer.mlp
             for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj),
                                (layer.post_attention_layernorm, mlp.gate_up_proj)):
-                s = _scales(absmax[proj], proj.weight, NORM_ALPHA)
+                s = _scales(absmax[proj], proj.weight, norm_alpha)
                 _scale_(norm.weight, 1 / s)
                 _scale_(proj.weight, s)
-            s = _scales(absmax[mlp.down_proj], mlp.down_proj.weight, DOWN_ALPHA)
+            s = _scales(absmax[mlp.down_proj], mlp.down_proj.weight, down_alpha)
             inter = mlp.down_proj.weight.shape[1]
             _scale_(mlp.gate_up_proj.weight[inter:], 1 / s[:, None])  # the up rows
             _scale_(mlp.down_proj.weight, s)
