@@ -104,21 +104,24 @@ def test_kernel_matches_8bit_activation_reference(qtype, n, k):
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.MXFP4])
 def test_repacked_blocks_hold_the_same_bytes_per_tile(qtype):
     """32 rows of 2 blocks: two tiles of 16 rows; per tile and block the 16 scales, (Q4_1)
-    the 16 mins, then chunks of each row's next 4 quant bytes. (NVFP4 tiles: test_fp4.)"""
+    the 16 mins, then chunks of each row's next 4 quant bytes; MXFP4's tiles hold their
+    blocks' scales first. (NVFP4 tiles: test_fp4.)"""
     size = GGML_QUANT_SIZES[qtype][1]
     scale_fields = {Q.Q4_1: [(0, 2), (2, 4)], Q.Q8_0: [(0, 2)], Q.MXFP4: [(0, 1)]}[qtype]
     quants_start = scale_fields[-1][1]
     rows = torch.arange(32 * 2 * size, dtype=torch.int32).remainder(251).to(torch.uint8)
     rows = rows.view(32, 2 * size)
     packed = repack_blocks(rows, qtype)
-    assert packed.shape == (2, 2 * 16 * size)
     blocks = rows.view(2, 16, 2, size)  # [tile, row, block, bytes]
     for t in range(2):
-        expected = []
-        for b in range(2):
-            expected += [blocks[t, :, b, i:j].reshape(-1) for i, j in scale_fields]
-            expected += [blocks[t, :, b, c : c + 4].reshape(-1)
-                         for c in range(quants_start, size, 4)]
+        scales = [[blocks[t, :, b, i:j].reshape(-1) for i, j in scale_fields] for b in range(2)]
+        quants = [[blocks[t, :, b, c : c + 4].reshape(-1) for c in range(quants_start, size, 4)]
+                  for b in range(2)]
+        if qtype == Q.MXFP4:  # every block's scales first, padded to 64 bytes, then quants
+            expected = scales[0] + scales[1] + [torch.zeros(32, dtype=torch.uint8)]
+            expected += quants[0] + quants[1]
+        else:  # block after block
+            expected = scales[0] + quants[0] + scales[1] + quants[1]
         assert torch.equal(packed[t], torch.cat(expected))
     assert gguf_module._concat_rows({"w": (qtype, rows[:16])}, ["w"]) is not None
     assert gguf_module._concat_rows({"w": (qtype, rows[:24])}, ["w"]) is None  # 24 rows

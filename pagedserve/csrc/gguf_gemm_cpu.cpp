@@ -31,9 +31,10 @@
 // Repacked layout (repack_blocks in quantization/gguf.py; the same bytes as GGUF's, moved):
 // the rows in tiles of kTileRows = 16, and per tile, block after block: the 16 rows' scales
 // d (fp16), for Q4_1 their 16 mins m, then their quants in chunks of 4 bytes, chunk-major:
-// [chunk c][row r][qs bytes 4c..4c+3] (4 chunks for Q4_1 and FP4, 8 for Q8_0); MXFP4's
-// scales are 16 bytes e, NVFP4's the 16 rows' s0 then their s1 (Q4_1's d and m places),
-// and an NVFP4 tile ends with its 16 rows' r (float32). One 64-byte load
+// [chunk c][row r][qs bytes 4c..4c+3] (4 chunks for Q4_1 and FP4, 8 for Q8_0). NVFP4's
+// scales are the 16 rows' s0 then their s1 (Q4_1's d and m places), and its tile ends with
+// the 16 rows' r (float32). An MXFP4 tile holds every block's 16 bytes e first (padded to
+// 64 bytes), then every block's quants (MXFP4Layout says why). One 64-byte load
 // then holds 4 quant bytes of each of the 16 rows, i.e. one 32-bit lane per output row:
 // a VNNI dot product (vpdpbusd) against 4 activation bytes broadcast to every lane adds
 // 4 products to each of the 16 rows' sums, and a block's 8 such steps leave its 16 integer
@@ -89,18 +90,23 @@ alignas(16) constexpr int8_t kFP4Biased[16] = {12, 13, 14, 15, 16, 18, 20, 24,
 typedef int32_t int32_as_bytes __attribute__((may_alias, aligned(1)));
 
 // A tile's bytes per block: its 16 rows' scale fields (d, and m for Q4_1), then quants;
-// and after its blocks (kTailBytes): NVFP4's row scales.
+// and after its blocks (kTailBytes): NVFP4's row scales. MXFP4's blocks of 16 + 256 bytes
+// would put every other 64-byte quant load across two cache lines (1.5x slower decodes),
+// so its tile holds all its blocks' scales first (padded to 64 bytes), then their quants.
 struct Q4_1Layout {
   static constexpr int64_t kScaleBytes = 2 * 2 * kTileRows, kQuantBytes = 16 * kTileRows;
   static constexpr int64_t kScaleField = 2, kTailBytes = 0;
+  static constexpr bool kScalesFirst = false;
 };
 struct Q8_0Layout {
   static constexpr int64_t kScaleBytes = 2 * kTileRows, kQuantBytes = 32 * kTileRows;
   static constexpr int64_t kScaleField = 2, kTailBytes = 0;
+  static constexpr bool kScalesFirst = false;
 };
 struct MXFP4Layout {
   static constexpr int64_t kScaleBytes = kTileRows, kQuantBytes = 16 * kTileRows;
   static constexpr int64_t kScaleField = 1, kTailBytes = 0;
+  static constexpr bool kScalesFirst = true;
 };
 struct NVFP4Layout : Q4_1Layout {
   static constexpr int64_t kTailBytes = 4 * kTileRows;
@@ -108,6 +114,26 @@ struct NVFP4Layout : Q4_1Layout {
 
 template <typename Layout>
 constexpr int64_t tile_block_bytes() { return Layout::kScaleBytes + Layout::kQuantBytes; }
+
+constexpr int64_t pad64(int64_t n) { return (n + 63) / 64 * 64; }
+
+// Offsets in a tile of nb blocks: block b's scales, its quants; the tail; the tile's size.
+template <typename L>
+constexpr int64_t scale_offset(int64_t nb, int64_t b) {
+  return L::kScalesFirst ? b * L::kScaleBytes : b * tile_block_bytes<L>();
+}
+template <typename L>
+constexpr int64_t quant_offset(int64_t nb, int64_t b) {
+  return L::kScalesFirst ? pad64(nb * L::kScaleBytes) + b * L::kQuantBytes
+                         : b * tile_block_bytes<L>() + L::kScaleBytes;
+}
+template <typename L>
+constexpr int64_t tail_offset(int64_t nb) {
+  return L::kScalesFirst ? pad64(nb * L::kScaleBytes) + nb * L::kQuantBytes
+                         : nb * tile_block_bytes<L>();
+}
+template <typename L>
+constexpr int64_t tile_bytes_of(int64_t nb) { return tail_offset<L>(nb) + L::kTailBytes; }
 
 // f(Layout{}) for the layout of `type` (one of GGMLType).
 template <typename F>
@@ -126,10 +152,7 @@ inline bool is_kernel_type(int64_t type) {
 
 // A tile's bytes for rows of K weights.
 inline int64_t tile_bytes(int64_t type, int64_t K) {
-  return with_layout(type, [K](auto l) {
-    using L = decltype(l);
-    return K / kBlock * tile_block_bytes<L>() + L::kTailBytes;
-  });
+  return with_layout(type, [K](auto l) { return tile_bytes_of<decltype(l)>(K / kBlock); });
 }
 
 inline float fp16_to_float(uint16_t bits) {
@@ -471,20 +494,21 @@ void tile_rows(const uint8_t* tile, int64_t lane_offset, const ActivationBlocks&
   Lanes::F acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = Lanes::fzero();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = tile + b * tile_block_bytes<Format>();
+    const uint8_t* qs = tile + quant_offset<Format>(nb, b);
     if (prefetch)
       for (int64_t off = 0; off < tile_block_bytes<Format>(); off += 64)
-        __builtin_prefetch(blk + kPrefetchBytes + off);
-    const typename Format::Scales scales = Format::scales(blk, lane_offset);
+        __builtin_prefetch(qs + kPrefetchBytes + off);
+    const typename Format::Scales scales =
+        Format::scales(tile + scale_offset<Format>(nb, b), lane_offset);
     Lanes::I w[8];
-    Format::quants(blk + Format::kScaleBytes, lane_offset, w);
+    Format::quants(qs, lane_offset, w);
     for (int m = 0; m < MT; ++m) {
       const auto* a4 =
           reinterpret_cast<const int32_as_bytes*>(a.q.data() + (m0 + m) * K + b * kBlock);
       acc[m] = Format::accumulate(acc[m], scales, w, a4, a, (m0 + m) * nb + b);
     }
   }
-  const uint8_t* tail = tile + nb * tile_block_bytes<Format>();
+  const uint8_t* tail = tile + tail_offset<Format>(nb);
   for (int m = 0; m < MT; ++m) Lanes::store(out + m * ldo, Format::finish(acc[m], tail, lane_offset));
 }
 
@@ -518,10 +542,10 @@ struct NoTail {
 
 struct Q4_1 : Q4_1Layout, NoTail {
   static inline int32_t quant(const uint8_t* qs, int64_t r, int j) { return nibble(qs, r, j); }
-  static inline float block(const uint8_t* blk, int64_t r, const int8_t* aq,
+  static inline float block(const uint8_t* sc, const uint8_t* qs, int64_t r, const int8_t* aq,
                             const ActivationBlocks& a, int64_t i) {
-    const float d = fp16_at(blk + 2 * r), m = fp16_at(blk + 2 * (kTileRows + r));
-    const int32_t sum = int_dot<Q4_1>(blk + kScaleBytes, r, aq, 0, kBlock);
+    const float d = fp16_at(sc + 2 * r), m = fp16_at(sc + 2 * (kTileRows + r));
+    const int32_t sum = int_dot<Q4_1>(qs, r, aq, 0, kBlock);
     return static_cast<float>(sum) * (d * a.d[i]) + m * a.s[i];
   }
 };
@@ -530,10 +554,10 @@ struct Q8_0 : Q8_0Layout, NoTail {
   static inline int32_t quant(const uint8_t* qs, int64_t r, int j) {
     return static_cast<int8_t>(qs[j / 4 * 4 * kTileRows + 4 * r + j % 4]);
   }
-  static inline float block(const uint8_t* blk, int64_t r, const int8_t* aq,
+  static inline float block(const uint8_t* sc, const uint8_t* qs, int64_t r, const int8_t* aq,
                             const ActivationBlocks& a, int64_t i) {
-    const int32_t sum = int_dot<Q8_0>(blk + kScaleBytes, r, aq, 0, kBlock);
-    return static_cast<float>(sum) * (fp16_at(blk + 2 * r) * a.d[i]);
+    const int32_t sum = int_dot<Q8_0>(qs, r, aq, 0, kBlock);
+    return static_cast<float>(sum) * (fp16_at(sc + 2 * r) * a.d[i]);
   }
 };
 
@@ -541,10 +565,10 @@ struct MXFP4 : MXFP4Layout, NoTail {
   static inline int32_t quant(const uint8_t* qs, int64_t r, int j) {
     return kFP4Values[nibble(qs, r, j)];
   }
-  static inline float block(const uint8_t* blk, int64_t r, const int8_t* aq,
+  static inline float block(const uint8_t* sc, const uint8_t* qs, int64_t r, const int8_t* aq,
                             const ActivationBlocks& a, int64_t i) {
-    const float d = std::ldexp(1.f, static_cast<int>(blk[r]) - 128);  // exact
-    const int32_t sum = int_dot<MXFP4>(blk + kScaleBytes, r, aq, 0, kBlock);
+    const float d = std::ldexp(1.f, static_cast<int>(sc[r]) - 128);  // exact
+    const int32_t sum = int_dot<MXFP4>(qs, r, aq, 0, kBlock);
     return static_cast<float>(sum) * (d * a.d[i]);
   }
 };
@@ -553,11 +577,11 @@ struct NVFP4 : NVFP4Layout {
   static inline int32_t quant(const uint8_t* qs, int64_t r, int j) {
     return kFP4Values[nibble(qs, r, j)];
   }
-  static inline float block(const uint8_t* blk, int64_t r, const int8_t* aq,
+  static inline float block(const uint8_t* sc, const uint8_t* qs, int64_t r, const int8_t* aq,
                             const ActivationBlocks& a, int64_t i) {
-    const float low = fp16_at(blk + 2 * r), high = fp16_at(blk + 2 * (kTileRows + r));
-    const int32_t lo = int_dot<NVFP4>(blk + kScaleBytes, r, aq, 0, kBlock / 2);
-    const int32_t hi = int_dot<NVFP4>(blk + kScaleBytes, r, aq, kBlock / 2, kBlock);
+    const float low = fp16_at(sc + 2 * r), high = fp16_at(sc + 2 * (kTileRows + r));
+    const int32_t lo = int_dot<NVFP4>(qs, r, aq, 0, kBlock / 2);
+    const int32_t hi = int_dot<NVFP4>(qs, r, aq, kBlock / 2, kBlock);
     return static_cast<float>(lo) * (low * a.d[i]) + static_cast<float>(hi) * (high * a.d[i]);
   }
   static inline float row_factor(const uint8_t* tail, int64_t r) {
@@ -573,14 +597,15 @@ void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, float
   const int64_t nb = a.blocks_per_row, K = nb * kBlock;
   float acc[MT][kTileRows] = {};
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = tile + b * tile_block_bytes<Format>();
+    const uint8_t* sc = tile + scale_offset<Format>(nb, b);
+    const uint8_t* qs = tile + quant_offset<Format>(nb, b);
     for (int64_t r = 0; r < kTileRows; ++r)
       for (int m = 0; m < MT; ++m) {
         const int8_t* aq = a.q.data() + (m0 + m) * K + b * kBlock;
-        acc[m][r] += Format::block(blk, r, aq, a, (m0 + m) * nb + b);
+        acc[m][r] += Format::block(sc, qs, r, aq, a, (m0 + m) * nb + b);
       }
   }
-  const uint8_t* tail = tile + nb * tile_block_bytes<Format>();
+  const uint8_t* tail = tile + tail_offset<Format>(nb);
   for (int m = 0; m < MT; ++m)
     for (int64_t r = 0; r < kTileRows; ++r)
       out[m * ldo + r] = acc[m][r] * Format::row_factor(tail, r);
@@ -590,7 +615,7 @@ void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, float
 
 template <typename Format>
 void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, float* out) {
-  const int64_t tile_bytes = a.blocks_per_row * tile_block_bytes<Format>() + Format::kTailBytes;
+  const int64_t tile_bytes = tile_bytes_of<Format>(a.blocks_per_row);
   at::parallel_for(0, N / kTileRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = W + t * tile_bytes;
@@ -613,9 +638,9 @@ void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, 
 
 }  // namespace
 
-// qweight: uint8 [N / 16, K / 32 * tile block bytes + tail bytes] (320 for Q4_1, 544 for
-// Q8_0, 272 for MXFP4, 320 + 64 for NVFP4), blocks repacked in tiles of 16 rows (see the
-// layout above); x: float32 [M, K], K a multiple of 32. Returns float32 [M, N]. Raises
+// qweight: uint8 [N / 16, tile bytes] (K / 32 blocks of 320 bytes for Q4_1, 544 for Q8_0,
+// 320 and a tail of 64 for NVFP4; for MXFP4 pad64(K / 32 * 16) + K / 32 * 256), blocks
+// repacked in tiles of 16 rows (see the layout above); x: float32 [M, K], K a multiple of 32. Returns float32 [M, N]. Raises
 // (RuntimeError) on another qweight_type, dtype or shape.
 torch::Tensor ggml_mul_mat_a8(torch::Tensor qweight, torch::Tensor x, int64_t qweight_type) {
   TORCH_CHECK(is_kernel_type(qweight_type), "ggml_mul_mat_a8: qweight_type must be 3 (Q4_1), ",
@@ -669,25 +694,30 @@ torch::Tensor repack_gguf_blocks(torch::Tensor rows, int64_t type) {
               " rows are not whole tiles of ", kTileRows);
   rows = rows.contiguous();
   const int64_t size = block_bytes(type), row_bytes = rows.size(1);
-  const int64_t blocks_per_row = row_bytes / size, tiles = rows.size(0) / kTileRows;
+  const int64_t nb = row_bytes / size, tiles = rows.size(0) / kTileRows;
   const int64_t scales = scale_bytes(type), field = scale_field_bytes(type);
   const int64_t chunks = (size - scales) / 4;
-  auto out = torch::empty({tiles, kTileRows * row_bytes}, torch::kByte);
+  const int64_t out_bytes = tile_bytes(type, nb * kBlock);  // no tail: NVFP4 is not repacked
+  auto out = torch::zeros({tiles, out_bytes}, torch::kByte);  // zeros: the padding
   const uint8_t* in = rows.data_ptr<uint8_t>();
   uint8_t* packed = out.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      uint8_t* o = packed + t * kTileRows * row_bytes;
-      for (int64_t b = 0; b < blocks_per_row; ++b) {
-        const uint8_t* tile_block = in + t * kTileRows * row_bytes + b * size;
-        for (int64_t f = 0; f < scales; f += field)  // d, then m (Q4_1); e (MXFP4)
-          for (int64_t r = 0; r < kTileRows; ++r, o += field)
-            std::memcpy(o, tile_block + r * row_bytes + f, field);
-        for (int64_t c = 0; c < chunks; ++c)
-          for (int64_t r = 0; r < kTileRows; ++r, o += 4)
-            std::memcpy(o, tile_block + r * row_bytes + scales + 4 * c, 4);
-      }
-    }
+  with_layout(type, [&](auto l) {
+    using L = decltype(l);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* tile_block = in + t * kTileRows * row_bytes + b * size;
+          uint8_t* o = packed + t * out_bytes + scale_offset<L>(nb, b);
+          for (int64_t f = 0; f < scales; f += field)  // d, then m (Q4_1); e (MXFP4)
+            for (int64_t r = 0; r < kTileRows; ++r, o += field)
+              std::memcpy(o, tile_block + r * row_bytes + f, field);
+          o = packed + t * out_bytes + quant_offset<L>(nb, b);
+          for (int64_t c = 0; c < chunks; ++c)
+            for (int64_t r = 0; r < kTileRows; ++r, o += 4)
+              std::memcpy(o, tile_block + r * row_bytes + scales + 4 * c, 4);
+        }
+    });
+    return 0;
   });
   return out;
 }

@@ -56,11 +56,13 @@ TILE_ROWS = 16
 
 
 def kernel_tile_bytes(qtype: GGMLQuantizationType, k: int) -> int:
-    """Bytes of one kernel tile (16 rows) of ``k`` columns of ``qtype`` (MXFP4: 17 bytes a
-    row per block of 32; NVFP4: 20, and 4 bytes of row scale; ``gguf_gemm_cpu.cpp``)."""
+    """Bytes of one kernel tile (16 rows) of ``k`` columns of ``qtype`` (``gguf_gemm_cpu.cpp``:
+    MXFP4, the blocks' 16-byte scales padded to 64 bytes, then 256 bytes of quants each;
+    NVFP4, 320 bytes a block, then 64 bytes of row scales)."""
+    blocks = k // 32
     if qtype == MXFP4:
-        return k // 32 * 17 * TILE_ROWS
-    return k // 32 * 20 * TILE_ROWS + 4 * TILE_ROWS
+        return -(-blocks * TILE_ROWS // 64) * 64 + blocks * 16 * TILE_ROWS
+    return blocks * 20 * TILE_ROWS + 4 * TILE_ROWS
 
 
 def dequantize_e2m1(codes: torch.Tensor) -> torch.Tensor:

@@ -73,8 +73,9 @@ def repack_blocks(rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tens
     scales d, then (Q4_1) their mins m, then their quants in chunks of 4 bytes, chunk-major
     (``[chunk][row][4 bytes]``). The same bytes, moved so that one 64-byte load holds 4
     quant bytes of each of 16 rows (layout: ``csrc/gguf_gemm_cpu.cpp``), by the C++ op
-    ``repack_gguf_blocks``. Returns uint8 ``[N / 16, K / 32 * 16 * type_size]``; raises
-    RuntimeError for another type or row count. ggml's NVFP4 rows (blocks of 64) become
+    ``repack_gguf_blocks``. Returns uint8 ``[N / 16, K / 32 * 16 * type_size]`` (MXFP4: a
+    tile's scales first, padded to 64 bytes, then its quants); raises RuntimeError for
+    another type or row count. ggml's NVFP4 rows (blocks of 64) become
     the kernel's own NVFP4 tiles instead (``fp4_formats.nvfp4_ggml_to_kernel``)."""
     if qtype == GGMLQuantizationType.NVFP4:
         return nvfp4_ggml_to_kernel(rows)
