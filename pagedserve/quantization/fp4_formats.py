@@ -14,7 +14,7 @@ Both formats store E2M1 elements (1 sign bit, 2 exponent bits, 1 mantissa bit: m
 - **NVFP4**, NVIDIA (Blackwell's format; "Introducing NVFP4 for Efficient and Accurate
   Low-Precision Inference", 2025; TensorRT Model Optimizer's ``NVFP4QTensor``): blocks of
   16, one FP8 E4M3 scale each, and one float32 scale per tensor:
-  ``global = max|W| / (448 * 6)``, ``s_b = E4M3(max|block| / 6 / global)`` (round to
+  ``global = max|W| / (448 * 6)``, ``s_b = E4M3(max|block| / (6 * global))`` (round to
   nearest even, at most 448), elements ``E2M1(v / (s_b * global))`` (ties to even, clamped
   to +-6); ``v = e2m1 * (s_b * global)``.
 
