@@ -16,7 +16,7 @@ import torch
 from conftest import hf_greedy
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-from test_gguf_gemv import a8_reference, a8_round, random_blocks, rel_err
+from test_gguf_gemv import a8_reference, a8_round, random_blocks, rel_err, teacher_forced
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
@@ -382,17 +382,7 @@ def test_fp4_stays_close_to_the_exact_path(llm, llm_fp4, chat_prompts):
     """FP4's cost in accuracy on the bundled model, whose weights are dequantized Q4_1, so
     FP4 quantizes them a second time (onto another 4-bit grid: a large error for a 135M
     model), teacher-forced on the exact engine's greedy tokens."""
-    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    ref = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], greedy, use_tqdm=False)
-    seqs = [p + o.outputs[0].token_ids for p, o in zip(chat_prompts, ref)]
-    score = SamplingParams(max_tokens=1, prompt_logprobs=0)
-
-    def logprobs(engine):
-        outs = engine.generate([{"prompt_token_ids": s} for s in seqs], score, use_tqdm=False)
-        return torch.tensor([o.prompt_logprobs[i][s[i]].logprob
-                             for o, s in zip(outs, seqs) for i in range(1, len(s))])
-
-    exact, ours = logprobs(llm), logprobs(llm_fp4)
+    exact, ours = teacher_forced(llm, llm_fp4, chat_prompts)
     diff = (ours - exact).abs()
     mean_bound, max_bound, ppl_bound = BOUNDS[llm_fp4.engine.args.quantization]
     assert float(diff.mean()) < mean_bound and float(diff.max()) < max_bound

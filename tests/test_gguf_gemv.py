@@ -286,6 +286,23 @@ def test_model_layers_carry_their_blocks(llm_gguf):
         assert rel_err(out, a8_reference(x, weight)) < 1e-5
 
 
+def teacher_forced(exact_llm: LLM, llm: LLM, prompts: list[list[int]]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact engine's 32 greedy tokens after each prompt, and the logprob of each of
+    them (prompt positions after the first too) as ``exact_llm`` and ``llm`` score them."""
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ref = exact_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, ref)]
+    score = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(engine):
+        outs = engine.generate([{"prompt_token_ids": s} for s in seqs], score, use_tqdm=False)
+        return torch.tensor([o.prompt_logprobs[i][s[i]].logprob
+                             for o, s in zip(outs, seqs) for i in range(1, len(s))])
+
+    return logprobs(exact_llm), logprobs(llm)
+
+
 def test_kernels_stay_close_to_the_exact_path(llm, llm_gguf, chat_prompts):
     """The 8-bit activations' cost in accuracy, teacher-forced: the chat prompts and the
     exact engine's 32 greedy tokens after each, scored by both engines. Measured: mean
@@ -294,18 +311,7 @@ def test_kernels_stay_close_to_the_exact_path(llm, llm_gguf, chat_prompts):
     previous kernel gave -1.4%, and +0.6% with x scaled by 1 + 2^-22); hence a 4% bound
     (benchmarks/quant_accuracy.py has the held-out figures)."""
     assert not isinstance(llm.engine.executor.driver_worker.model.lm_head.method, GGUFWeight)
-    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    ref = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], greedy, use_tqdm=False)
-    seqs = [p + o.outputs[0].token_ids for p, o in zip(chat_prompts, ref)]
-    score = SamplingParams(max_tokens=1, prompt_logprobs=0)
-
-    def logprobs(engine):
-        outs = engine.generate([{"prompt_token_ids": s} for s in seqs], score, use_tqdm=False)
-        return torch.tensor([o.prompt_logprobs[i][s[i]].logprob
-                             for o, s in zip(outs, seqs) for i in range(1, len(s))])
-
-    exact = logprobs(llm)
-    ours = logprobs(llm_gguf)
+    exact, ours = teacher_forced(llm, llm_gguf, chat_prompts)
     diff = (ours - exact).abs()
     assert float(diff.mean()) < 0.15 and float(diff.max()) < 1.5
     assert abs(math.exp(float(exact.mean() - ours.mean())) - 1) < 0.04  # perplexity ratio

@@ -376,11 +376,19 @@ inline void nibbles(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
   }
 }
 
-struct Q4_1 : Q4_1Layout, NoTail {
-  struct Scales { Lanes::F d, m; };
-  static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
+// The two fp16 scale fields of a Q4_1-shaped block: Q4_1's d and m, NVFP4's two halves'.
+struct TwoScales {
+  Lanes::F first, second;
+  static inline TwoScales load(const uint8_t* blk, int64_t lane_offset) {
     return {Lanes::scales(blk + lane_offset / 2),
             Lanes::scales(blk + 2 * kTileRows + lane_offset / 2)};
+  }
+};
+
+struct Q4_1 : Q4_1Layout, NoTail {
+  using Scales = TwoScales;  // d, m
+  static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
+    return TwoScales::load(blk, lane_offset);
   }
   static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
     nibbles(qs, lane_offset, w);
@@ -388,8 +396,8 @@ struct Q4_1 : Q4_1Layout, NoTail {
   static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
                                     const int32_as_bytes* a4, const ActivationBlocks& a,
                                     int64_t i) {
-    acc = Lanes::fma(Lanes::cvt(dot_u8_block(w, a4)), Lanes::mul(s.d, a.d[i]), acc);
-    return Lanes::fma(s.m, a.s[i], acc);
+    acc = Lanes::fma(Lanes::cvt(dot_u8_block(w, a4)), Lanes::mul(s.first, a.d[i]), acc);
+    return Lanes::fma(s.second, a.s[i], acc);
   }
 };
 
@@ -462,10 +470,9 @@ struct MXFP4 : MXFP4Layout, NoTail {
 };
 
 struct NVFP4 : NVFP4Layout {
-  struct Scales { Lanes::F low, high; };  // of quants 0..15 and 16..31
+  using Scales = TwoScales;  // of quants 0..15, of quants 16..31
   static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
-    return {Lanes::scales(blk + lane_offset / 2),
-            Lanes::scales(blk + 2 * kTileRows + lane_offset / 2)};
+    return TwoScales::load(blk, lane_offset);
   }
   static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
     fp4_quants(qs, lane_offset, w);
@@ -477,8 +484,8 @@ struct NVFP4 : NVFP4Layout {
     // Registers 0..3 hold quants 0..15 (low nibbles), 4..7 quants 16..31.
     const Lanes::I low = Lanes::add(dot_u8_block(w, a4, 0, 4), -kFP4Bias * low_sum);
     const Lanes::I high = Lanes::add(dot_u8_block(w, a4, 4, 8), -kFP4Bias * high_sum);
-    acc = Lanes::fma(Lanes::cvt(low), Lanes::mul(s.low, a.d[i]), acc);
-    return Lanes::fma(Lanes::cvt(high), Lanes::mul(s.high, a.d[i]), acc);
+    acc = Lanes::fma(Lanes::cvt(low), Lanes::mul(s.first, a.d[i]), acc);
+    return Lanes::fma(Lanes::cvt(high), Lanes::mul(s.second, a.d[i]), acc);
   }
   static inline Lanes::F finish(Lanes::F acc, const uint8_t* tail, int64_t lane_offset) {
     return Lanes::mul(acc, Lanes::loadf(tail + lane_offset));  // the rows' r
