@@ -66,6 +66,11 @@ def load_texts(data: Path) -> tuple[list[tuple[str, str]], list[str]]:
 
 
 def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """The chat's token ids in the model's chat format; a base model without one (Gemma 3
+    270M) gets the turns as plain text, a blank line after each."""
+    if tokenizer.chat_template is None:
+        text = "".join(m["content"] + "\n\n" for m in messages)
+        return tokenizer.encode(text if add_generation_prompt or not messages else text[:-2])
     return list(tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
 
