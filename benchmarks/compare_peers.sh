@@ -21,15 +21,15 @@ OUT=${OUT:-/tmp/pagedserve_peers}
 PS=${PAGEDSERVE:-.venv/bin/pagedserve}
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
-flags=$(grep -o -w -E 'avx2|avx512f|avx512_bf16|avx512_vnni|amx_bf16|amx_int8' /proc/cpuinfo \
-        | sort -u | tr '\n' ' ')
+. benchmarks/machine.sh
+flags=$(cpu_flags)
 dtypes=("$@")
 if [ ${#dtypes[@]} -eq 0 ]; then
     dtypes=(float32)
     case " $flags " in *" avx512_bf16 "*|*" amx_bf16 "*) dtypes+=(bfloat16) ;; esac
 fi
 cores=$(nproc)
-echo "date $(date -u +%FT%TZ); $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-); $cores cores; flags: $flags"
+machine_line
 
 for dtype in "${dtypes[@]}"; do
     echo "== pagedserve $dtype"

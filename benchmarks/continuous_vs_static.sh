@@ -19,8 +19,8 @@ PS=${PAGEDSERVE:-.venv/bin/pagedserve}
 PY=${PYTHON:-.venv/bin/python}
 PORT=${PORT:-8765}
 mkdir -p "$OUT"
-echo "date $(date -u +%FT%TZ); $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-);" \
-     "flags: $(grep -o -w -E 'avx2|avx512f|avx512_bf16|avx512_vnni|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+. benchmarks/machine.sh
+machine_line
 
 serve() {  # $1: scheduling
     $PS serve --port "$PORT" --dtype float32 --max-num-seqs 8 --scheduling "$1" \

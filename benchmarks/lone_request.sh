@@ -19,9 +19,8 @@ PY=${PYTHON:-.venv/bin/python}
 PS=${PAGEDSERVE:-.venv/bin/pagedserve}
 OUT=${OUT:-/tmp/pagedserve_lone}
 mkdir -p "$OUT"
-flags=$(grep -o -w -E 'avx2|avx512f|avx512_bf16|avx512_vnni|amx_bf16|amx_int8' /proc/cpuinfo \
-        | sort -u | tr '\n' ' ')
-echo "date $(date -u +%FT%TZ); $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-); $(nproc) cores; flags: $flags"
+. benchmarks/machine.sh
+machine_line
 GGUF=$($PY -c "from pagedserve.model_loader.files import resolve_model_path; print(resolve_model_path(None))")
 
 if [ $# -ge 1 ]; then

@@ -12,9 +12,8 @@ PS=${PAGEDSERVE:-.venv/bin/pagedserve}
 PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-/tmp/pagedserve_quant_speed}
 mkdir -p "$OUT"
-flags=$(grep -o -w -E 'avx2|avx512f|avx512_bf16|avx512_vnni|amx_bf16|amx_int8' /proc/cpuinfo \
-        | sort -u | tr '\n' ' ')
-echo "date $(date -u +%FT%TZ); $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-); $(nproc) cores; flags: $flags"
+. benchmarks/machine.sh
+machine_line
 for i in $(seq 1 "${REPS:-3}"); do
     for q in default "$@"; do
         extra=()
