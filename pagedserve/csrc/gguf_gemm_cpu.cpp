@@ -78,12 +78,16 @@ constexpr int64_t kDequantGrain = 256;    // blocks per parallel task of dequant
 
 enum GGMLType : int64_t { kQ4_1 = 3, kQ8_0 = 8, kMXFP4 = 39, kNVFP4 = 40 };
 
-// E2M1 codes -> their values doubled, plus kFP4Bias so that vpdpbusd takes them unsigned.
+// E2M1 codes -> their values doubled (ggml's kvalues_mxfp4), and those plus kFP4Bias, so
+// that vpdpbusd takes them unsigned.
 constexpr int32_t kFP4Bias = 12;
-alignas(16) constexpr int8_t kFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12,
-                                               0, -1, -2, -3, -4, -6, -8, -12};
-alignas(16) constexpr int8_t kFP4Biased[16] = {12, 13, 14, 15, 16, 18, 20, 24,
-                                               12, 11, 10, 9, 8, 6, 4, 0};
+struct FP4Table { alignas(16) int8_t v[16]; };
+constexpr FP4Table kFP4Values = {{0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}};
+constexpr FP4Table kFP4Biased = [] {
+  FP4Table t{};
+  for (int c = 0; c < 16; ++c) t.v[c] = static_cast<int8_t>(kFP4Values.v[c] + kFP4Bias);
+  return t;
+}();
 
 // 4 activation quants read as one int32 (to broadcast them to every lane): allowed to
 // alias the int8 array, and the compiler folds the read into the dot product's operand.
@@ -447,19 +451,18 @@ struct Q8_0 : Q8_0Scales {
 #endif
 
 // FP4 codes looked up as kFP4Biased (unsigned), in Q4_1's nibble order.
-inline void fp4_quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
-  const Lanes::I table = Lanes::table(kFP4Biased);
-  nibbles(qs, lane_offset, w);
-  for (int k = 0; k < 8; ++k) w[k] = Lanes::lookup(table, w[k]);
-}
+struct FP4Codes {
+  static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
+    const Lanes::I table = Lanes::table(kFP4Biased.v);
+    nibbles(qs, lane_offset, w);
+    for (int k = 0; k < 8; ++k) w[k] = Lanes::lookup(table, w[k]);
+  }
+};
 
-struct MXFP4 : MXFP4Layout, NoTail {
+struct MXFP4 : MXFP4Layout, FP4Codes, NoTail {
   struct Scales { Lanes::F d; };
   static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
     return {Lanes::e8m0_half(blk + lane_offset / 4)};
-  }
-  static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
-    fp4_quants(qs, lane_offset, w);
   }
   static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
                                     const int32_as_bytes* a4, const ActivationBlocks& a,
@@ -469,13 +472,10 @@ struct MXFP4 : MXFP4Layout, NoTail {
   }
 };
 
-struct NVFP4 : NVFP4Layout {
+struct NVFP4 : NVFP4Layout, FP4Codes {
   using Scales = TwoScales;  // of quants 0..15, of quants 16..31
   static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
     return TwoScales::load(blk, lane_offset);
-  }
-  static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
-    fp4_quants(qs, lane_offset, w);
   }
   static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
                                     const int32_as_bytes* a4, const ActivationBlocks& a,
@@ -516,7 +516,8 @@ void tile_rows(const uint8_t* tile, int64_t lane_offset, const ActivationBlocks&
     }
   }
   const uint8_t* tail = tile + tail_offset<Format>(nb);
-  for (int m = 0; m < MT; ++m) Lanes::store(out + m * ldo, Format::finish(acc[m], tail, lane_offset));
+  for (int m = 0; m < MT; ++m)
+    Lanes::store(out + m * ldo, Format::finish(acc[m], tail, lane_offset));
 }
 
 template <typename Format, int MT>
@@ -568,10 +569,13 @@ struct Q8_0 : Q8_0Layout, NoTail {
   }
 };
 
-struct MXFP4 : MXFP4Layout, NoTail {
+struct FP4Codes {  // the code's value doubled
   static inline int32_t quant(const uint8_t* qs, int64_t r, int j) {
-    return kFP4Values[nibble(qs, r, j)];
+    return kFP4Values.v[nibble(qs, r, j)];
   }
+};
+
+struct MXFP4 : MXFP4Layout, FP4Codes, NoTail {
   static inline float block(const uint8_t* sc, const uint8_t* qs, int64_t r, const int8_t* aq,
                             const ActivationBlocks& a, int64_t i) {
     const float d = std::ldexp(1.f, static_cast<int>(sc[r]) - 128);  // exact
@@ -580,10 +584,7 @@ struct MXFP4 : MXFP4Layout, NoTail {
   }
 };
 
-struct NVFP4 : NVFP4Layout {
-  static inline int32_t quant(const uint8_t* qs, int64_t r, int j) {
-    return kFP4Values[nibble(qs, r, j)];
-  }
+struct NVFP4 : NVFP4Layout, FP4Codes {
   static inline float block(const uint8_t* sc, const uint8_t* qs, int64_t r, const int8_t* aq,
                             const ActivationBlocks& a, int64_t i) {
     const float low = fp16_at(sc + 2 * r), high = fp16_at(sc + 2 * (kTileRows + r));
@@ -647,8 +648,8 @@ void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, 
 
 // qweight: uint8 [N / 16, tile bytes] (K / 32 blocks of 320 bytes for Q4_1, 544 for Q8_0,
 // 320 and a tail of 64 for NVFP4; for MXFP4 pad64(K / 32 * 16) + K / 32 * 256), blocks
-// repacked in tiles of 16 rows (see the layout above); x: float32 [M, K], K a multiple of 32. Returns float32 [M, N]. Raises
-// (RuntimeError) on another qweight_type, dtype or shape.
+// repacked in tiles of 16 rows (see the layout above); x: float32 [M, K], K a multiple of
+// 32. Returns float32 [M, N]. Raises (RuntimeError) on another qweight_type, dtype or shape.
 torch::Tensor ggml_mul_mat_a8(torch::Tensor qweight, torch::Tensor x, int64_t qweight_type) {
   TORCH_CHECK(is_kernel_type(qweight_type), "ggml_mul_mat_a8: qweight_type must be 3 (Q4_1), ",
               "8 (Q8_0), 39 (MXFP4) or 40 (NVFP4), got ", qweight_type);
