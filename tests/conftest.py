@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import gguf
 import pytest
 import torch
 
@@ -151,3 +152,27 @@ def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def gguf_writer(path, arch: str, config) -> gguf.GGUFWriter:
+    """A GGUF writer for ``arch`` holding the keys every decoder takes from its Hugging Face
+    ``config`` (layers, context, widths, heads, norm epsilon, vocabulary), as llama.cpp's
+    converter writes them."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_vocab_size(config.vocab_size)
+    return w
+
+
+def finish_gguf(w: gguf.GGUFWriter) -> None:
+    """Write the header, key-values and tensors, and close the file."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

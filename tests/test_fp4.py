@@ -9,11 +9,10 @@ import copy
 import itertools
 import math
 
-import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import finish_gguf, gguf_writer, hf_greedy
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from test_gguf_gemv import a8_reference, a8_round, random_blocks, rel_err, teacher_forced
@@ -270,17 +269,9 @@ def write_fp4_gguf(model, path, qtype: Q, rng: np.random.Generator) -> None:
     (MXFP4 quantized by gguf-py; NVFP4 random blocks, which gguf-py cannot make); the
     weights as gguf-py dequantizes them are written back into ``model``."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = gguf_writer(path, "llama", c)
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     w.add_rope_freq_base(c.rope_theta if hasattr(c, "rope_theta") else 10000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
     state = model.state_dict()
     for name, tensor in state.items():
         array = tensor.float().numpy()
@@ -311,10 +302,7 @@ def write_fp4_gguf(model, path, qtype: Q, rng: np.random.Generator) -> None:
             deq = deq.reshape(n, deq.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(deq.shape)
         tensor.copy_(torch.from_numpy(np.ascontiguousarray(deq)))
         w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 @pytest.mark.parametrize("qtype", [Q.MXFP4, Q.NVFP4])

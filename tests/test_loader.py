@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import finish_gguf
 from gguf.quants import dequantize, quantize
 
 from pagedserve.model_loader import files as loader
@@ -121,7 +122,7 @@ def test_unsupported_architecture(tmp_path):
     writer = gguf.GGUFWriter(str(path), "mamba")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    _finish(writer)
+    finish_gguf(writer)
     for call in (loader.load_config, lambda p: list(loader.iter_weights(p, torch.float32))):
         with pytest.raises(ValueError, match="'mamba'.*supported: llama"):
             call(path)
@@ -131,13 +132,6 @@ def test_check_tensor_type():
     gguf_loader.check_tensor_type("blk.0.attn_q.weight", Q.Q4_K)
     with pytest.raises(ValueError, match="'blk.0.ffn_up.weight'.*IQ2_XS.*Q4_1.*Q6_K"):
         gguf_loader.check_tensor_type("blk.0.ffn_up.weight", Q.IQ2_XS)
-
-
-def _finish(writer: gguf.GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -208,7 +202,7 @@ def _write_tiny_llama(path: pathlib.Path, extra: dict | None = None):
     quant("output.weight", "lm_head.weight", (vocab, hidden), Q.Q4_1)
     for gname, (shape, qtype) in (extra or {}).items():
         quant(gname, gname, shape, qtype)
-    _finish(w)
+    finish_gguf(w)
     return expected
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import hf_greedy
+from conftest import finish_gguf, gguf_writer, hf_greedy
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model_loader import files as loader
@@ -211,19 +211,11 @@ def _write_gemma3_gguf(model, path) -> None:
     """Write a transformers Gemma3 model as llama.cpp's converter would: F32 tensors, norm
     weights stored as ``1 + w``, no Q/K permutation, every 6th layer global."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = gguf_writer(path, "gemma3", c)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
     w.add_sliding_window(c.sliding_window)
-    w.add_vocab_size(c.vocab_size)
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
     for name, tensor in model.state_dict().items():
@@ -240,10 +232,7 @@ def _write_gemma3_gguf(model, path) -> None:
             _, _, layer, *module, kind = name.split(".")
             gname = f"blk.{layer}.{_GEMMA_GGUF_NAMES['.'.join(module)]}.{kind}"
         w.add_tensor(gname, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def test_gemma3_gguf_matches_transformers(tmp_path):
@@ -283,10 +272,7 @@ def test_gguf_unknown_tensor_names_architecture(tmp_path):
     w.add_embedding_length(8)
     w.add_head_count(1)
     w.add_tensor("blk.0.attn_qkv.weight", np.zeros((24, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     with pytest.raises(ValueError, match="unknown GGUF tensor 'blk.0.attn_qkv.weight' for a gemma3"):
         next(loader.iter_weights(path, torch.float32))
 
