@@ -170,6 +170,13 @@ def gguf_writer(path, arch: str, config) -> gguf.GGUFWriter:
     return w
 
 
+def llama_cpp_permute(w, n_head: int):
+    """LlamaModel.permute from llama.cpp's convert_hf_to_gguf.py: a Q or K weight's HF rows
+    (numpy ``[n_head * head_dim, K]``) in GGUF's order."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
 def finish_gguf(w: gguf.GGUFWriter) -> None:
     """Write the header, key-values and tensors, and close the file."""
     w.write_header_to_file()

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import finish_gguf, gguf_writer, hf_greedy
+from conftest import finish_gguf, gguf_writer, hf_greedy, llama_cpp_permute
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from test_gguf_gemv import a8_reference, a8_round, random_blocks, rel_err, teacher_forced
@@ -252,12 +252,6 @@ def test_kernel_matches_the_dequantized_weights(fmt, n, k):
 # -- the methods in the engine ------------------------------------------------------------
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (HF rows -> GGUF rows)."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
@@ -289,7 +283,7 @@ def write_fp4_gguf(model, path, qtype: Q, rng: np.random.Generator) -> None:
             continue
         heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
         kind = gname.split(".")[-2]
-        stored = _permute(array, heads[kind]) if kind in heads else array
+        stored = llama_cpp_permute(array, heads[kind]) if kind in heads else array
         if qtype == Q.MXFP4:
             data = quantize(stored, qtype)
         else:

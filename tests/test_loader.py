@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import finish_gguf
+from conftest import finish_gguf, llama_cpp_permute
 from gguf.quants import dequantize, quantize
 
 from pagedserve.model_loader import files as loader
@@ -134,12 +134,6 @@ def test_check_tensor_type():
         gguf_loader.check_tensor_type("blk.0.ffn_up.weight", Q.IQ2_XS)
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """LlamaModel.permute from llama.cpp convert_hf_to_gguf.py (HF rows -> GGUF rows)."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
 def _write_tiny_llama(path: pathlib.Path, extra: dict | None = None):
     """A 1-layer llama GGUF using every supported tensor type. Returns the expected HF
     tensors (float32) computed from what was written, not from the loader."""
@@ -171,7 +165,7 @@ def _write_tiny_llama(path: pathlib.Path, extra: dict | None = None):
         if qtype == Q.F16:
             x = x.astype(np.float16).astype(np.float32)
         expected[hname] = torch.from_numpy(x)
-        stored = _llama_cpp_permute(x, permute_heads) if permute_heads else x
+        stored = llama_cpp_permute(x, permute_heads) if permute_heads else x
         w.add_tensor(gname, stored.astype(np.float16) if qtype == Q.F16 else stored)
 
     def quant(gname, hname, shape, qtype):
