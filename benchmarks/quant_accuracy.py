@@ -128,7 +128,7 @@ def requantize(llm: LLM, round_trip) -> None:
     place: the fused decode step holds them); the tied LM head gets a weight of its own
     (the embedding stays as it was)."""
     model = llm.engine.executor.driver_worker.model
-    for name, layer in model.named_modules():
+    for layer in model.modules():
         if not isinstance(layer, Linear):
             continue
         new = round_trip(layer.weight.detach().float()).to(layer.weight.dtype)

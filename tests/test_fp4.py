@@ -22,9 +22,9 @@ from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
 from pagedserve.quantization.base import Linear
 from pagedserve.quantization.fp4 import mxfp4_weight, nvfp4_weight
 from pagedserve.quantization.fp4_formats import (
+    dequantize_e2m1,
     dequantize_mxfp4,
     dequantize_nvfp4,
-    dequantize_nvfp4_kernel_rows,
     nvfp4_ggml_parts,
     nvfp4_kernel_rows,
     quantize_mxfp4,
@@ -201,7 +201,8 @@ def test_ggml_nvfp4_converts_value_for_value():
     sub-scales whose product is gguf-py's dequantization, bit for bit."""
     rows = random_blocks(Q.NVFP4, 32, 192, np.random.default_rng(4))
     codes, half_scales = nvfp4_ggml_parts(torch.from_numpy(rows))
-    ours = dequantize_nvfp4_kernel_rows(codes, half_scales, torch.ones(32))
+    doubled = 2 * dequantize_e2m1(codes).view(32, -1, 16)
+    ours = (doubled * half_scales.unsqueeze(-1)).view(32, -1)
     assert torch.equal(ours, torch.from_numpy(dequantize(rows, Q.NVFP4).copy()))
 
 

@@ -28,6 +28,7 @@ of held-out text over float32 (``benchmarks/quant_accuracy.py``): NVFP4 +25.0% w
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 
 import torch
 from gguf import GGMLQuantizationType
@@ -75,9 +76,7 @@ class FP4Method(QuantizationMethod):
     cpu_only = needs_cpu_ops = True
     qtype: GGMLQuantizationType
     smoothing: tuple[float, float]  # SmoothQuant's alpha for norm-fed projections, down_proj
-
-    def quantize(self, weight: torch.Tensor) -> GGUFWeight:
-        raise NotImplementedError
+    quantize: Callable[[torch.Tensor], GGUFWeight]  # mxfp4_weight or nvfp4_weight
 
     def process_model(self, model: nn.Module, ctx: LoadContext) -> str:
         stored = self._stored_blocks(model, ctx.model_path)
@@ -111,13 +110,9 @@ class FP4Method(QuantizationMethod):
 
 class MXFP4Method(FP4Method):
     name, qtype, smoothing = "mxfp4", MXFP4, (0.5, 0.5)
-
-    def quantize(self, weight: torch.Tensor) -> GGUFWeight:
-        return mxfp4_weight(weight)
+    quantize = staticmethod(mxfp4_weight)
 
 
 class NVFP4Method(FP4Method):
     name, qtype, smoothing = "nvfp4", NVFP4, (0.7, 0.5)
-
-    def quantize(self, weight: torch.Tensor) -> GGUFWeight:
-        return nvfp4_weight(weight)
+    quantize = staticmethod(nvfp4_weight)

@@ -176,11 +176,3 @@ def nvfp4_ggml_to_kernel(rows: torch.Tensor) -> torch.Tensor:
     value (the tensor scale is 1)."""
     codes, half_scales = nvfp4_ggml_parts(rows)
     return nvfp4_kernel_rows(codes, half_scales, torch.ones(rows.shape[0]))
-
-
-def dequantize_nvfp4_kernel_rows(codes: torch.Tensor, half_scales: torch.Tensor,
-                                 row_scales: torch.Tensor) -> torch.Tensor:
-    """What ``nvfp4_kernel_rows`` holds, as float32 ``[N, K]`` (the kernel's reference)."""
-    n, k = codes.shape
-    doubled = 2 * dequantize_e2m1(codes).reshape(n, -1, NVFP4_BLOCK)
-    return (doubled * half_scales.unsqueeze(-1)).reshape(n, k) * row_scales.unsqueeze(-1)
