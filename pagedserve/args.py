@@ -33,6 +33,7 @@ class EngineArgs:
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
+    memory_budget: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -89,6 +90,10 @@ class EngineArgs:
                                  "activations and KV cache)")
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                             help="bytes for the KV cache, overriding memory-based sizing")
+        parser.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
+                            help="CPU: bytes the whole process may hold (interpreter, weights, "
+                                 "activations, KV cache); the KV cache takes what the rest "
+                                 "leaves")
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
                             help="fixed number of KV blocks (testing)")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

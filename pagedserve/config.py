@@ -103,6 +103,9 @@ class CacheConfig:
         kv_cache_memory_bytes: bytes for the KV pool, when given explicitly.
         gpu_memory_utilization: fraction of device memory the engine may use, or None
             for the device's default policy.
+        memory_budget: on CPU, bytes of resident memory the whole process may hold; the
+            KV pool takes what the process holds after loading and the activation peak
+            leave (``worker/kv_cache.py``).
         enable_prefix_caching: reuse cached full blocks across requests.
     """
 
@@ -111,6 +114,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -126,12 +130,19 @@ class CacheConfig:
         u = self.gpu_memory_utilization
         if u is not None and not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {u}")
+        if self.memory_budget is not None:
+            if self.memory_budget < 1:
+                raise ValueError(f"memory_budget must be >= 1; got {self.memory_budget}")
+            other = [name for name in ("kv_cache_memory_bytes", "gpu_memory_utilization")
+                     if getattr(self, name) is not None]
+            if other:
+                raise ValueError(f"memory_budget sizes the KV cache itself; drop {other[0]}")
 
     @classmethod
     def from_engine_args(cls, args) -> CacheConfig:
         """The cache fields of ``EngineArgs`` (same names)."""
         return cls(args.block_size, args.num_gpu_blocks_override, args.kv_cache_memory_bytes,
-                   args.gpu_memory_utilization, args.enable_prefix_caching)
+                   args.gpu_memory_utilization, args.enable_prefix_caching, args.memory_budget)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ from pagedserve.quantization import get_quantization_method
 from pagedserve.quantization import gguf as gguf_module
 from pagedserve.quantization import none as none_module
 from pagedserve.quantization.base import Linear
-from pagedserve.quantization.gguf import KERNEL_TYPES, GGUFWeight, repack_blocks
+from pagedserve.quantization.fp4 import nvfp4_weight
+from pagedserve.quantization.fp4_formats import dequantize_nvfp4, quantize_nvfp4
+from pagedserve.quantization.gguf import KERNEL_TYPES, GGUFEmbedding, GGUFWeight, repack_blocks
 from pagedserve.quantization.none import float_linear
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU kernels unavailable")
@@ -123,8 +125,9 @@ def test_repacked_blocks_hold_the_same_bytes_per_tile(qtype):
         else:  # block after block
             expected = scales[0] + quants[0] + scales[1] + quants[1]
         assert torch.equal(packed[t], torch.cat(expected))
-    assert gguf_module._concat_rows({"w": (qtype, rows[:16])}, ["w"]) is not None
-    assert gguf_module._concat_rows({"w": (qtype, rows[:24])}, ["w"]) is None  # 24 rows
+    stored = gguf_module._concat_rows({"w": ("w.weight", qtype, rows[:16])}, ("w",))
+    assert stored.names == ("w.weight",) and torch.equal(stored.qweight, packed[:1])
+    assert gguf_module._concat_rows({"w": ("w.weight", qtype, rows[:24])}, ("w",)) is None
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])  # FP4 types: gguf-py's own, test_fp4
@@ -132,6 +135,30 @@ def test_dequantization_is_bit_equal_to_gguf_py(qtype):
     blocks = random_blocks(qtype, 37, 96, np.random.default_rng(int(qtype)))
     ours = load_cpu_ops().dequantize_gguf_blocks(torch.from_numpy(blocks), int(qtype))
     assert torch.equal(ours, torch.from_numpy(dequantize(blocks, qtype).copy()))
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_rows_from_tiles_dequantize_as_gguf_py(qtype):
+    """An embedding's lookup from repacked tiles (``ggml_get_rows``): each id's row, bit-equal
+    to gguf-py's dequantization of the file's blocks (ggml's NVFP4 converted to the kernel's
+    rows, value for value)."""
+    rng = np.random.default_rng(int(qtype))
+    blocks = random_blocks(qtype, 48, 128, rng)
+    ids = torch.tensor([0, 47, 16, 16, 5, 31, 32])
+    rows = load_cpu_ops().ggml_get_rows(repack_blocks(torch.from_numpy(blocks), qtype), ids,
+                                        int(qtype))
+    expected = torch.from_numpy(dequantize(blocks, qtype))[ids]
+    torch.testing.assert_close(rows, expected, rtol=0, atol=0)
+
+
+def test_rows_from_nvfp4_tiles_apply_the_row_scale():
+    """NVFP4 kernel rows with a tensor scale: ``r * (s * v)``, within one rounding of the
+    format's dequantization ``v * (s * r)``."""
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(3)) * 0.03
+    codes, scales, global_scale = quantize_nvfp4(w)
+    rows = load_cpu_ops().ggml_get_rows(nvfp4_weight(w).qweight, torch.arange(32), int(Q.NVFP4))
+    torch.testing.assert_close(rows, dequantize_nvfp4(codes, scales, global_scale),
+                               rtol=2.4e-7, atol=0)
 
 
 def test_block_conversions_reject_bad_inputs():
@@ -144,6 +171,9 @@ def test_block_conversions_reject_bad_inputs():
         ops.repack_gguf_blocks(rows.float(), int(Q.Q4_1))
     with pytest.raises(RuntimeError, match="whole tiles of 16"):
         ops.repack_gguf_blocks(rows[:8], int(Q.Q4_1))
+    tiles = ops.repack_gguf_blocks(torch.zeros(16, 20, dtype=torch.uint8), int(Q.Q4_1))
+    with pytest.raises(RuntimeError, match=r"id 16 is not in \[0, 16\)"):
+        ops.ggml_get_rows(tiles, torch.tensor([3, 16]), int(Q.Q4_1))
 
 
 def test_kernel_rejects_bad_inputs():
@@ -269,21 +299,36 @@ def llm_gguf():
     return LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 << 20)
 
 
-def test_model_layers_carry_their_blocks(llm_gguf):
+def test_model_layers_carry_their_blocks(llm_gguf, model_path):
     """Every Linear (fused q/k/v and gate/up included) and the tied head computes, from its
-    blocks, the reference product with its float32 weight; the exact engine has none."""
+    blocks, the reference product with the file's dequantized weights; the embedding looks
+    its rows up in the same blocks, bit-equal to the float table; no float copy is kept."""
     model = llm_gguf.engine.executor.driver_worker.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(layers) == 4 * 30 + 1 and layers[-1] is model.lm_head
     assert all(isinstance(m.method, GGUFWeight) for m in layers)
+    assert isinstance(model.embed_tokens, GGUFEmbedding)
     assert model.lm_head.weight is model.embed_tokens.weight  # tied: blocks of the embedding
-    heads = [(m.weight, m.method) for m in (*layers[:4], model.lm_head)]
-    ops = load_cpu_ops()
-    for weight, quant in heads:
-        weight = weight.detach()
+    floats = sum(p.numel() for p in model.parameters() if p.is_floating_point())
+    assert floats == 576 * (2 * 30 + 1)  # the norms only
+    blocks = sum(p.numel() for p in model.parameters() if not p.is_floating_point())
+    assert blocks == 66_355_200 + 30_081_024  # the file's Q4_1 and Q8_0 bytes
+    wanted = {name for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                             "self_attn.o_proj", "mlp.down_proj", "embed_tokens")
+              for name in (f"model.layers.0.{m}.weight", f"model.{m}.weight")}
+    weights = {n: w for n, w in iter_gguf_weights(model_path, torch.float32) if n in wanted}
+    table = weights["model.embed_tokens.weight"]
+    attn = model.layers[0].self_attn
+    heads = [(attn.qkv_proj, torch.cat([weights[f"model.layers.0.self_attn.{p}_proj.weight"]
+                                        for p in "qkv"])),
+             (attn.o_proj, weights["model.layers.0.self_attn.o_proj.weight"]),
+             (model.layers[0].mlp.down_proj, weights["model.layers.0.mlp.down_proj.weight"]),
+             (model.lm_head, table)]
+    for layer, weight in heads:
         x = torch.randn(3, weight.shape[1])
-        out = ops.ggml_mul_mat_a8(quant.qweight, x, int(quant.qtype))
-        assert rel_err(out, a8_reference(x, weight)) < 1e-5
+        assert rel_err(layer(x), a8_reference(x, weight)) < 1e-5
+    ids = torch.tensor([[0, 1, 49151], [7, 7, 30000]])
+    assert torch.equal(model.embed_tokens(ids), table[ids])
 
 
 def teacher_forced(exact_llm: LLM, llm: LLM, prompts: list[list[int]]

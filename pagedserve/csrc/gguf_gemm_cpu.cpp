@@ -48,6 +48,8 @@
 //       gguf-py's quants.py computes them, so bit-equal to it;
 //   repack_gguf_blocks(rows uint8 [N, K / 32 * type_size], type) -> uint8 [N / 16, ...]
 //       the rows in the repacked layout above.
+// And per step, for an embedding kept as blocks (quantization/gguf.py, GGUFEmbedding):
+//   ggml_get_rows(qweight, ids int64 [T], type) -> float32 [T, K], rows ids of W
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -730,8 +732,97 @@ torch::Tensor repack_gguf_blocks(torch::Tensor rows, int64_t type) {
   return out;
 }
 
+namespace {
+
+// One row of a tile moved back into GGUF block order (repack_gguf_blocks' moves undone):
+// its nb blocks of `size` bytes each (NVFP4's as Q4_1's: s0, s1, then the quants).
+template <typename L>
+void unpack_row(const uint8_t* tile, int64_t nb, int64_t r, int64_t size, uint8_t* row) {
+  constexpr int64_t scales = L::kScaleBytes / kTileRows, field = L::kScaleField;
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* block = row + b * size;
+    for (int64_t f = 0; f < scales; f += field)
+      std::memcpy(block + f, tile + scale_offset<L>(nb, b) + f * kTileRows + r * field, field);
+    for (int64_t c = 0; c < (size - scales) / 4; ++c)
+      std::memcpy(block + scales + 4 * c, tile + quant_offset<L>(nb, b) + (c * kTileRows + r) * 4,
+                  4);
+  }
+}
+
+// FP4 blocks: w = scale * kv[c] / 2 (kv the doubled E2M1 values), exact in float32 but for
+// NVFP4's row scale r, applied last (one rounding).
+PRECISE void dequantize_fp4(const uint8_t* qs, float s_low, float s_high, float r, float* w) {
+  for (int j = 0; j < 16; ++j) {
+    w[j] = r * (s_low * static_cast<float>(kFP4Values.v[qs[j] & 0x0F]));
+    w[j + 16] = r * (s_high * static_cast<float>(kFP4Values.v[qs[j] >> 4]));
+  }
+}
+
+PRECISE void dequantize_block(int64_t type, const uint8_t* block, float row_scale, float* w) {
+  switch (type) {
+    case kQ4_1: dequantize_q4_1(block, w); break;
+    case kQ8_0: dequantize_q8_0(block, w); break;
+    case kMXFP4: {  // E8M0 e: 2^(e - 127), halved for the doubled values
+      const float d = std::ldexp(1.0f, static_cast<int>(block[0]) - 128);
+      dequantize_fp4(block + 1, d, d, 1.0f, w);
+      break;
+    }
+    default:  // NVFP4 kernel rows: halved E4M3 scales s0, s1 (fp16), the row's scale r
+      dequantize_fp4(block + 4, fp16_at(block), fp16_at(block + 2), row_scale, w);
+  }
+}
+
+}  // namespace
+
+// qweight as ggml_mul_mat_a8's (W [N, K] in tiles), ids int64 [T] in [0, N): returns float32
+// [T, K], W's rows ids (an embedding's lookup from its blocks). Q4_1 and Q8_0 bit-equal to
+// dequantize_gguf_blocks (and gguf-py); MXFP4 2^(e - 127) * v exactly; NVFP4 r * (s * v).
+// Raises (RuntimeError) on another type, dtype or shape, or an id out of range.
+torch::Tensor ggml_get_rows(torch::Tensor qweight, torch::Tensor ids, int64_t qweight_type) {
+  TORCH_CHECK(is_kernel_type(qweight_type), "ggml_get_rows: qweight_type must be 3, 8, 39 or 40",
+              ", got ", qweight_type);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "ggml_get_rows: qweight must be a contiguous uint8 [N / 16, tile_bytes] tensor");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1,
+              "ggml_get_rows: ids must be an int64 [T] tensor");
+  ids = ids.contiguous();
+  const int64_t T = ids.size(0), N = qweight.size(0) * kTileRows, tile = qweight.size(1);
+  const int64_t size = block_bytes(qweight_type);
+  const int64_t nb = with_layout(qweight_type, [tile](auto l) {
+    using L = decltype(l);
+    int64_t n = 0;  // the block count whose tile has these bytes
+    while (tile_bytes_of<L>(n) < tile) ++n;
+    return tile_bytes_of<L>(n) == tile ? n : int64_t{-1};
+  });
+  TORCH_CHECK(nb > 0, "ggml_get_rows: tiles of ", tile, " bytes are not whole blocks");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < N, "ggml_get_rows: id ", id[t], " is not in [0, ", N, ")");
+  auto out = torch::empty({T, nb * kBlock}, torch::kFloat);
+  const uint8_t* W = qweight.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> row(nb * size);
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile_bytes = W + id[t] / kTileRows * tile;
+      const int64_t r = id[t] % kTileRows;
+      float row_scale = 1.0f;
+      with_layout(qweight_type, [&](auto l) {
+        using L = decltype(l);
+        unpack_row<L>(tile_bytes, nb, r, size, row.data());
+        if (L::kTailBytes) std::memcpy(&row_scale, tile_bytes + tail_offset<L>(nb) + 4 * r, 4);
+        return 0;
+      });
+      for (int64_t b = 0; b < nb; ++b)
+        dequantize_block(qweight_type, row.data() + b * size, row_scale, o + (t * nb + b) * kBlock);
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("ggml_mul_mat_a8", &ggml_mul_mat_a8);
+  m.def("ggml_get_rows", &ggml_get_rows);
   m.def("dequantize_gguf_blocks", &dequantize_gguf_blocks);
   m.def("repack_gguf_blocks", &repack_gguf_blocks);
 }

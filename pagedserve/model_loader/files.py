@@ -12,7 +12,7 @@ import importlib.util
 import os
 import pathlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 import transformers
@@ -135,11 +135,12 @@ def partial_rotary_factor(config: transformers.PretrainedConfig, default: float 
     return float(factor) if factor is not None else default
 
 
-def iter_weights(path: pathlib.Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: pathlib.Path, dtype: torch.dtype, skip: Collection[str] = ()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every weight, named as in HF's LlamaForCausalLM state dict
     ("model.embed_tokens.weight", "model.layers.{i}.self_attn.q_proj.weight", ...,
     "lm_head.weight" only if stored) with HF shapes [out_features, in_features], cast to
-    `dtype` (floating tensors only).
+    `dtype` (floating tensors only); those named in `skip` are not read.
 
     HF directory: all *.safetensors files in name order (sharded or not); FileNotFoundError
     if there are none. GGUF: see gguf_file.iter_gguf_weights (ValueError on unsupported
@@ -147,7 +148,7 @@ def iter_weights(path: pathlib.Path, dtype: torch.dtype) -> Iterator[tuple[str, 
     """
     path = pathlib.Path(path)
     if _is_gguf(path):
-        yield from gguf_file.iter_gguf_weights(path, dtype)
+        yield from gguf_file.iter_gguf_weights(path, dtype, skip)
         return
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -156,5 +157,7 @@ def iter_weights(path: pathlib.Path, dtype: torch.dtype) -> Iterator[tuple[str, 
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if name in skip:
+                    continue
                 tensor = f.get_tensor(name)
                 yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor

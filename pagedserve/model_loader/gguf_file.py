@@ -15,7 +15,7 @@ import logging
 import os
 import pathlib
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,12 +311,14 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def iter_gguf_weights(path: pathlib.Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: pathlib.Path, dtype: torch.dtype, skip: Collection[str] = ()
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every weight, dequantized to float32 (Q4_1 and Q8_0 by
     our C++ op ``dequantize_gguf_blocks`` where the kernels build, the rest and otherwise
     by ``gguf.quants``; both bit-equal) then cast to `dtype`. Shapes are HF's
     [out_features, in_features]. Undone on the way: llama's Q/K row permutation; gemma3's
-    "+1" on norm weights (HF stores ``w``, llama.cpp ``1 + w``).
+    "+1" on norm weights (HF stores ``w``, llama.cpp ``1 + w``). Names in `skip` are not
+    read.
 
     Raises ValueError for unsupported architectures, quantization types or tensor names,
     or a truncated file.
@@ -325,7 +327,7 @@ def iter_gguf_weights(path: pathlib.Path, dtype: torch.dtype) -> Iterator[tuple[
     with open(path, "rb", buffering=0) as f:
         for info in header.tensors:
             name = hf_name(info.name, arch)
-            if name is None:
+            if name is None or name in skip:
                 continue
             raw = _read_bytes(f, info)
             if info.qtype in (_Q.Q4_1, _Q.Q8_0) and cpu_ops_available():

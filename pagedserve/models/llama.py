@@ -277,9 +277,12 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into the (fused) parameters. A checkpoint may
         hold q/k/v or gate/up separately or already fused (GLM's ``gate_up_proj``).
 
+        Parameters that are not floating point hold what a quantization method took from
+        the file before loading (``QuantizationMethod.take_stored_weights``): not loaded.
+
         Raises ``ValueError`` for an unexpected name or shape, or for parameters left unset.
         """
-        params = dict(self.named_parameters())
+        params = {n: p for n, p in self.named_parameters() if p.is_floating_point()}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")

@@ -99,6 +99,13 @@ class QuantizationMethod:
     cpu_only = False
     needs_cpu_ops = False
 
+    def take_stored_weights(self, model: nn.Module, ctx: LoadContext) -> set[str]:
+        """Before the checkpoint's float weights load: give the modules that compute from
+        weights the file stores as they are (GGUF blocks) those weights now, as parameters
+        that are not floating point, and return the checkpoint tensors taken (HF names),
+        which the loader then never reads into float. None by default."""
+        return set()
+
     def process_model(self, model: nn.Module, ctx: LoadContext) -> str:
         """Give each ``Linear`` of the loaded ``model`` its ``LinearWeight``; returns one
         line for the start-up log saying what the layers now hold."""

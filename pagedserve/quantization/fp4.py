@@ -45,7 +45,7 @@ from pagedserve.quantization.fp4_formats import (
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from pagedserve.quantization.gguf import GGUFWeight, find_blocks, repack_blocks
+from pagedserve.quantization.gguf import GGUFWeight, find_blocks, hold_blocks, repack_blocks
 from pagedserve.quantization.none import float_weight
 from pagedserve.quantization.smoothquant import calibration_token_ids, smooth_model, smoothable
 
@@ -78,34 +78,38 @@ class FP4Method(QuantizationMethod):
     smoothing: tuple[float, float]  # SmoothQuant's alpha for norm-fed projections, down_proj
     quantize: Callable[[torch.Tensor], GGUFWeight]  # mxfp4_weight or nvfp4_weight
 
+    def take_stored_weights(self, model: nn.Module, ctx: LoadContext) -> set[str]:
+        """The file's own blocks of this format, for the modules whose shape they match (a
+        tensor-parallel rank holds a shard: it quantizes its shard instead)."""
+        if pathlib.Path(ctx.model_path).suffix.lower() != ".gguf":
+            return set()
+        found = find_blocks(model, iter_gguf_blocks(ctx.model_path, (self.qtype,)))
+        held = {module: stored for module, stored in found.items()
+                if stored.qweight.shape[0] * TILE_ROWS == module.weight.shape[0]
+                and stored.qweight.shape[1] == kernel_tile_bytes(stored.qtype,
+                                                                 module.weight.shape[1])}
+        return hold_blocks(model, held, ctx.dtype)
+
     def process_model(self, model: nn.Module, ctx: LoadContext) -> str:
-        stored = self._stored_blocks(model, ctx.model_path)
+        stored = [layer for _, layer in linears(model) if isinstance(layer.method, GGUFWeight)]
         smoothed = not stored and ctx.prefill is not None and smoothable(model)
         if smoothed:
             calibration = [ids[:ctx.max_model_len]
                            for ids in calibration_token_ids(ctx.tokenizer())]
             smooth_model(model, calibration, ctx.prefill, *self.smoothing)
-        counts = {"from the file": 0, "quantized at load": 0, "kept in float": 0}
+        counts = {"from the file": len(stored), "quantized at load": 0, "kept in float": 0}
         for _, layer in linears(model):
-            if layer in stored:
-                layer.method, kind = GGUFWeight(*stored[layer]), "from the file"
-            elif kernel_takes(layer):
-                layer.method, kind = self.quantize(layer.weight), "quantized at load"
+            if isinstance(layer.method, GGUFWeight):
+                continue
+            if kernel_takes(layer):
+                layer.method = self.quantize(layer.weight)
+                layer.weight = nn.Parameter(layer.method.qweight, requires_grad=False)
+                counts["quantized at load"] += 1
             else:
-                layer.method, kind = float_weight(layer, ctx), "kept in float"
-            counts[kind] += 1
+                layer.method = float_weight(layer, ctx)
+                counts["kept in float"] += 1
         return (f"{self.name} weights: " + ", ".join(f"{n} {kind}" for kind, n in counts.items())
                 + (" (after SmoothQuant)" if smoothed else ""))
-
-    def _stored_blocks(self, model: nn.Module, path: pathlib.Path) -> dict:
-        """The file's own blocks of this format, for the layers whose shape they match (a
-        tensor-parallel rank holds a shard: it quantizes its shard instead)."""
-        if pathlib.Path(path).suffix.lower() != ".gguf":
-            return {}
-        found = find_blocks(model, iter_gguf_blocks(path, (self.qtype,)))
-        return {layer: held for layer, held in found.items()
-                if held[0].shape[0] * TILE_ROWS == layer.weight.shape[0]
-                and held[0].shape[1] == kernel_tile_bytes(held[1], layer.weight.shape[1])}
 
 
 class MXFP4Method(FP4Method):

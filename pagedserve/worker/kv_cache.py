@@ -97,7 +97,8 @@ class MemoryProfile:
     peak_activation: int
     kv_budget: int
     bytes_per_block: int
-    source: str  # "override", "kv_cache_memory_bytes", "gpu_memory_utilization", "cpu_default"
+    source: str  # "override", "kv_cache_memory_bytes", "gpu_memory_utilization", "cpu_default",
+                 # "memory_budget"
 
 
 def cpu_kv_budget(cache: CacheConfig, weights: int, peak_activation: int) -> tuple[int, int]:
@@ -105,6 +106,28 @@ def cpu_kv_budget(cache: CacheConfig, weights: int, peak_activation: int) -> tup
     u x RAM (or the cgroup limit), so ``kv_budget = u * total - weights - peak_activation``."""
     total = total_memory_bytes()
     return total, int(cache.gpu_memory_utilization * total) - weights - peak_activation
+
+
+# What a serving process gains after its KV cache is sized, besides activations and KV
+# blocks: the HTTP app, request and output state, its threads' allocator arenas. Measured
+# on the bundled model: 12 MiB (8 requests) to <NN> MiB (the shared workload's first 16).
+SERVING_RESERVE = 32 << 20
+
+
+def resident_within_budget(budget: int, weights: int) -> int:
+    """This process's resident memory after loading (``VmRSS``: interpreter, libraries,
+    weights) plus ``SERVING_RESERVE``, in bytes. Raises ``ValueError`` naming the numbers
+    when that leaves nothing of ``budget`` (``--memory-budget``) for activations and the KV
+    cache."""
+    held = _proc_bytes("/proc/self/status", "VmRSS") + SERVING_RESERVE
+    if held >= budget:
+        raise ValueError(
+            f"--memory-budget {budget / 2**20:.0f} MiB does not hold the loaded model: the "
+            f"process holds {held / 2**20:.0f} MiB after loading (weights "
+            f"{weights / 2**20:.0f} MiB, {SERVING_RESERVE >> 20} MiB kept for serving, the "
+            "rest the interpreter and libraries), before any activation or KV cache; raise "
+            "the budget or choose a smaller quantization")
+    return held
 
 
 def cpu_default_kv_budget() -> int:
@@ -119,14 +142,14 @@ def fixed_kv_budget(cache: CacheConfig, per_block: int, device: str, num_ranks: 
                     ) -> tuple[int, str] | None:
     """``(kv_budget in bytes, source)`` where no profiling forward pass is needed: the block
     override, ``kv_cache_memory_bytes`` (per rank, as vLLM's), or on CPU without
-    ``gpu_memory_utilization`` the default shared by the engine's ``num_ranks`` ranks
+    ``gpu_memory_utilization`` or ``memory_budget`` the default shared by the engine's ``num_ranks`` ranks
     (each rank's blocks are ``1 / num_ranks`` of the model's KV heads, so the pool keeps its
     size in tokens). None when the budget must be profiled."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override * per_block, "override"
     if cache.kv_cache_memory_bytes is not None:
         return cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-    if device == "cpu" and cache.gpu_memory_utilization is None:
+    if device == "cpu" and cache.gpu_memory_utilization is None and cache.memory_budget is None:
         return cpu_default_kv_budget() // num_ranks, "cpu_default"
     return None
 

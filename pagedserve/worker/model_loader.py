@@ -44,24 +44,27 @@ def load_model(args: EngineArgs, hf_config, model_path: pathlib.Path, device: st
     tp = 1 if group is None else group.world_size
     method = get_quantization_method(args.quantization, model_path, device, tp)
     with torch.device(device):
-        model = get_model_class(hf_config)(shard_config(hf_config, tp), backend,
-                                           max_model_len).to(dtype)
+        model = get_model_class(hf_config)(shard_config(hf_config, tp), backend, max_model_len)
+        for param in model.parameters():  # loading writes them: allocated, never touched
+            param.data = torch.empty_like(param, dtype=dtype)
+        model.to(dtype)  # the buffers (rotary tables)
         if group is not None:
             model = make_tensor_parallel(model, group, hf_config.vocab_size)
+    inner = model if group is None else model.model
+    prefill = None if group is not None else (
+        lambda ids: prefill_once(inner, hf_config, ids))  # a shard cannot run alone
+    ctx = LoadContext(model_path, device, dtype, max_model_len, tokenizer, prefill)
     if args.load_format == "dummy":  # vLLM's name: random weights, for benchmarks
         for param in model.parameters():
             param.data.uniform_(-1e-3, 1e-3)
     elif args.load_format == "auto":
-        weights = iter_weights(model_path, dtype)
+        # The weights a method keeps as the file stores them are never read into float.
+        weights = iter_weights(model_path, dtype, skip=method.take_stored_weights(inner, ctx))
         if group is not None:
             weights = shard_weights(weights, hf_config, group.rank, tp)
         model.load_weights(weights)
     else:
         raise ValueError(f"load_format must be auto or dummy; got {args.load_format!r}")
-    inner = model if group is None else model.model
-    prefill = None if group is not None else (
-        lambda ids: prefill_once(inner, hf_config, ids))  # a shard cannot run alone
-    ctx = LoadContext(model_path, device, dtype, max_model_len, tokenizer, prefill)
     logger.info("quantization %s: %s", method.name, method.process_model(inner, ctx))
     if group is None:  # its layers, not the tensor-parallel ones with their all-reduces
         model.cpu_decode = CpuDecodeLayers.build(model)

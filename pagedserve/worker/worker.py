@@ -51,6 +51,7 @@ from pagedserve.worker.kv_cache import (
     measure_cpu_peak,
     measure_cuda_peak,
     num_kv_blocks,
+    resident_within_budget,
     total_memory_bytes,
 )
 from pagedserve.worker.model_loader import load_model
@@ -58,8 +59,8 @@ from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
-KV_MEMORY_HINT = ("give the KV cache more memory (--gpu-memory-utilization or "
-                  "--kv-cache-memory-bytes) or lower --max-num-batched-tokens")
+KV_MEMORY_HINT = ("give the KV cache more memory (--gpu-memory-utilization, "
+                  "--kv-cache-memory-bytes or --memory-budget) or lower --max-num-batched-tokens")
 
 
 def threads_per_rank(ranks_here: int) -> int:
@@ -174,6 +175,11 @@ class Worker:
         if fixed is not None:
             total = total_memory_bytes() if fixed[1] == "cpu_default" else 0
             return MemoryProfile(total, weights, 0, fixed[0], per_block, fixed[1])
+        if cache.memory_budget is not None:
+            if not config.device.startswith("cpu") or ranks > 1:
+                raise ValueError("memory_budget sizes one CPU process; use "
+                                 "gpu_memory_utilization on a device or with several ranks")
+            held = resident_within_budget(cache.memory_budget, weights)
         tokens = sched.max_num_batched_tokens
         num_blocks = -(-tokens // cache.block_size) + -(-tokens // config.max_model_len)
         scratch = allocate_kv_caches(config.hf_config, num_blocks, cache.block_size,
@@ -188,9 +194,17 @@ class Worker:
             scratch.clear()  # free the scratch blocks before reading what the device has left
             total, budget, source = cuda_kv_budget(cache, peak, config.device)
         else:
+            for blocks in scratch:  # resident before the measure: KV blocks, not activations
+                blocks.zero_()
             peak = measure_cpu_peak(run)
-            total, budget = cpu_kv_budget(cache, weights, peak)
-            source = "gpu_memory_utilization"
+            if cache.memory_budget is not None:  # the process: what it holds, its peak, KV
+                total, budget = cache.memory_budget, cache.memory_budget - held - peak
+                source = "memory_budget"
+                logger.info("memory budget %d bytes: %d held after loading or kept for serving, "
+                            "activation peak %d, KV cache %d", total, held, peak, budget)
+            else:
+                total, budget = cpu_kv_budget(cache, weights, peak)
+                source = "gpu_memory_utilization"
         return MemoryProfile(total, weights, peak, budget, per_block, source)
 
     def _capture_decode_graphs(self, max_num_seqs: int) -> DecodeGraphs | None:
