@@ -339,19 +339,25 @@ def llm_fp4(request):
 
 
 def test_engine_quantizes_every_linear_at_load(llm_fp4):
-    """Every Linear (fused q/k/v and gate/up, the tied head) holds FP4 tiles whose product
-    is the weight's dequantized FP4 form times 8-bit activations."""
+    """Every Linear (fused q/k/v and gate/up, the tied head) holds FP4 tiles, and no float
+    copy, whose product is their dequantized weight (``ggml_get_rows``, tested against
+    gguf-py and the NVFP4 reference) times 8-bit activations; MXFP4's dequantized weights
+    are the format's values (quantizing them again gives them back)."""
     model = llm_fp4.engine.executor.driver_worker.model
     qtype = Q.MXFP4 if llm_fp4.engine.args.quantization == "mxfp4" else Q.NVFP4
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(layers) == 4 * 30 + 1
     assert all(isinstance(m.method, GGUFWeight) and m.method.qtype == qtype for m in layers)
+    assert all(torch.equal(m.weight, m.method.qweight) for m in layers)
+    ops = load_cpu_ops()
     for layer in (*layers[:4], model.lm_head):
-        w = layer.weight.detach()
-        deq = (dequantize_mxfp4(quantize_mxfp4(w)) if qtype == Q.MXFP4
-               else dequantize_nvfp4(*quantize_nvfp4(w)))
-        x = torch.randn(3, w.shape[1])
-        out = load_cpu_ops().ggml_mul_mat_a8(layer.method.qweight, x, int(qtype))
+        n, k = layer.out_features, layer.in_features
+        deq = ops.ggml_get_rows(layer.method.qweight, torch.arange(n), int(qtype))
+        assert deq.shape == (n, k)
+        if qtype == Q.MXFP4:
+            assert torch.equal(dequantize_mxfp4(quantize_mxfp4(deq)), deq)
+        x = torch.randn(3, k)
+        out = ops.ggml_mul_mat_a8(layer.method.qweight, x, int(qtype))
         assert rel_err(out, a8_reference(x, deq)) < 1e-5
 
 
