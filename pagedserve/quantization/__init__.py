@@ -7,7 +7,8 @@ them (``base.py`` says what a method is).
     none.py         float weights (GGUF dequantized at load): the exact path; fixed-order GEMM
     gguf.py         GGUF Q4_1 / Q8_0 / MXFP4 / NVFP4 blocks with 8-bit activations (CPU)
     fp4_formats.py  MXFP4 and NVFP4: quantize, dequantize, the block kernel's bytes
-    fp4.py          FP4 weights (MXFP4, NVFP4), from the file or quantized at load (CPU)
+    fp4.py          FP4 weights (MXFP4, NVFP4), from the file or quantized at load
+    fp4_triton.py   FP4 weights on CUDA: a Triton GEMM decoding the blocks
     int8.py         W8A8 int8 rows, per-token activation scales (CPU)
     smoothquant.py  int8's calibration: activation outliers moved into the weights
 
@@ -47,8 +48,8 @@ def get_quantization_method(name: str | None, model_path: pathlib.Path, device: 
     device or with tensor parallelism falls back to ``none`` (logged).
 
     Raises ValueError for a name not in ``QUANTIZATION_CHOICES``, ``gguf`` for a model that
-    is not a GGUF file, a CPU-only method (int8, mxfp4, nvfp4) on another device, or an FP4
-    method where the C++ kernels did not build.
+    is not a GGUF file, a CPU-only method (int8) on another device, or an FP4 method where
+    the C++ kernels (its quantizer) did not build.
     """
     if name is not None and name not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} or "

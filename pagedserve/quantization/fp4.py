@@ -1,7 +1,9 @@
-"""``--quantization mxfp4`` and ``--quantization nvfp4``: 4-bit floating-point weights on
-CPU (formats: ``fp4_formats.py``).
+"""``--quantization mxfp4`` and ``--quantization nvfp4``: 4-bit floating-point weights
+(formats: ``fp4_formats.py``). On CUDA each weight is quantized at load and multiplied by
+a Triton GEMM that decodes its blocks (``fp4_triton.py``); the rest of this docstring is
+about CPU.
 
-Each Linear's weight is held in FP4 blocks and every step, prefill and decode, multiplies
+On CPU each Linear's weight is held in FP4 blocks and every step, prefill and decode, multiplies
 by them with 8-bit activations in the GGUF block kernel (``ggml_mul_mat_a8``, types 39 and
 40), as the Q4_1 path does: E2M1 codes become integers through a 16-entry table lookup and
 meet the activations in integer dot products, the scales applied per block. Like every
@@ -73,15 +75,18 @@ class FP4Method(QuantizationMethod):
     """Every Linear the kernel takes in FP4 blocks of ``qtype`` (``GGUFWeight``), the
     others in float."""
 
-    cpu_only = needs_cpu_ops = True
+    needs_cpu_ops = True  # the quantizer (csrc/fp4_quant_cpu.cpp), on any device
     qtype: GGMLQuantizationType
     smoothing: tuple[float, float]  # SmoothQuant's alpha for norm-fed projections, down_proj
     quantize: Callable[[torch.Tensor], GGUFWeight]  # mxfp4_weight or nvfp4_weight
+    triton_name: str  # the CUDA quantizer's name in fp4_triton.py
 
     def take_stored_weights(self, model: nn.Module, ctx: LoadContext) -> set[str]:
         """The file's own blocks of this format, for the modules whose shape they match (a
-        tensor-parallel rank holds a shard: it quantizes its shard instead)."""
-        if pathlib.Path(ctx.model_path).suffix.lower() != ".gguf":
+        tensor-parallel rank holds a shard: it quantizes its shard instead). Not on CUDA,
+        whose kernel has its own layout (the file's values are quantized again, value for
+        value)."""
+        if pathlib.Path(ctx.model_path).suffix.lower() != ".gguf" or ctx.device != "cpu":
             return set()
         found = find_blocks(model, iter_gguf_blocks(ctx.model_path, (self.qtype,)))
         held = {module: stored for module, stored in found.items()
@@ -97,13 +102,15 @@ class FP4Method(QuantizationMethod):
             calibration = [ids[:ctx.max_model_len]
                            for ids in calibration_token_ids(ctx.tokenizer())]
             smooth_model(model, calibration, ctx.prefill, *self.smoothing)
+        quantize = self.quantize if ctx.device == "cpu" else self._triton_quantizer()
         counts = {"from the file": len(stored), "quantized at load": 0, "kept in float": 0}
         for _, layer in linears(model):
             if isinstance(layer.method, GGUFWeight):
                 continue
             if kernel_takes(layer):
-                layer.method = self.quantize(layer.weight)
-                layer.weight = nn.Parameter(layer.method.qweight, requires_grad=False)
+                layer.method = quantize(layer.weight)
+                layer.weight = nn.Parameter(layer.method.codes if ctx.device != "cpu"
+                                            else layer.method.qweight, requires_grad=False)
                 counts["quantized at load"] += 1
             else:
                 layer.method = float_weight(layer, ctx)
@@ -111,12 +118,21 @@ class FP4Method(QuantizationMethod):
         return (f"{self.name} weights: " + ", ".join(f"{n} {kind}" for kind, n in counts.items())
                 + (" (after SmoothQuant)" if smoothed else ""))
 
+    def _triton_quantizer(self) -> Callable:
+        """The CUDA weights' quantizer; raises ValueError without the triton package."""
+        try:
+            from pagedserve.quantization import fp4_triton
+        except ImportError as e:
+            raise ValueError(f"quantization {self.name!r} on CUDA needs the triton package "
+                             f"({e})") from e
+        return getattr(fp4_triton, self.triton_name)
+
 
 class MXFP4Method(FP4Method):
     name, qtype, smoothing = "mxfp4", MXFP4, (0.5, 0.5)
-    quantize = staticmethod(mxfp4_weight)
+    quantize, triton_name = staticmethod(mxfp4_weight), "triton_mxfp4_weight"
 
 
 class NVFP4Method(FP4Method):
     name, qtype, smoothing = "nvfp4", NVFP4, (0.7, 0.5)
-    quantize = staticmethod(nvfp4_weight)
+    quantize, triton_name = staticmethod(nvfp4_weight), "triton_nvfp4_weight"
