@@ -1010,7 +1010,7 @@ def test_cache_config_info(ready, http):
         "engine": "0", "block_size": block_size, "num_gpu_blocks": blocks,
         "cache_dtype": "auto", "enable_prefix_caching": "True",
         "gpu_memory_utilization": "None", "kv_cache_memory_bytes": "None",
-        "num_gpu_blocks_override": "None"}
+        "num_gpu_blocks_override": "None", "memory_budget": "None"}
     assert block_size == "16" and int(blocks) > 0
 
 
