@@ -11,7 +11,10 @@ imported, before any weight) is measured apart.
         --config "int8=--quantization int8 --memory-budget 700000000"
 
 Each ``--config LABEL=ARGS`` adds one pagedserve run with those serve arguments (besides
-``--max-num-seqs 16 --max-model-len 1024``); the ratios are to the first configuration and to llama-server.
+``--max-num-seqs 16 --max-model-len 1024``); ``LABEL@DIR=ARGS`` runs the checkout in DIR
+(another commit, for a before / after). With ``--reps N`` every server runs N times, in
+rounds, and the medians are printed; the ratios are to the first configuration and to
+llama-server.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import concurrent.futures
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,10 +85,12 @@ def run_requests(send, samples) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
-def serve_and_measure(cmd: list[str], port: int, send, samples, log: Path) -> dict:
-    """Start ``cmd``, send the samples, and return its VmHWM, throughput and log."""
+def serve_and_measure(cmd: list[str], port: int, send, samples, log: Path,
+                      cwd: str | None = None) -> dict:
+    """Start ``cmd`` (in ``cwd``), send the samples, and return its VmHWM, throughput and
+    log."""
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         url = f"http://127.0.0.1:{port}"
@@ -118,41 +124,57 @@ def main() -> None:
     parser.add_argument("--config", action="append", required=True, metavar="LABEL=ARGS")
     parser.add_argument("--llama-server", default=None, help="llama-server binary (optional)")
     parser.add_argument("--model", default=None, help="GGUF file (default: the bundled)")
+    parser.add_argument("--reps", type=int, default=1,
+                        help="rounds over every server (medians are printed)")
     args = parser.parse_args()
     model = str(resolve_model_path(args.model))
     samples = workload_samples(resolve_path("workload", None))[:NUM_REQUESTS]
     out = Path(tempfile.mkdtemp(prefix="lean_memory_"))
     base = baseline_rss()
     print(f"interpreter baseline ({BASELINE_IMPORTS}): {base / 2**20:.0f} MiB")
-    rows = []
-    for config in args.config:
-        label, _, extra = config.partition("=")
-        port = free_port()
-        cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model, "--port",
-               str(port), "--served-model-name", "m", "--max-num-seqs", str(NUM_REQUESTS), "--max-model-len", "1024",
-               "--uvicorn-log-level", "warning", *shlex.split(extra)]
-        r = serve_and_measure(cmd, port, send_pagedserve, samples, out / f"{label}.log")
-        r["label"], r["pool"] = label, int(re.search(r"= (\d+) tokens", r["log"]).group(1))
-        r["budget"] = "--memory-budget" in extra
-        rows.append(r)
-    if args.llama_server:
-        pool = next((r["pool"] for r in rows if r["budget"]), rows[0]["pool"])
-        port = free_port()
-        cmd = [args.llama_server, "-m", model, "-t", str(len(os.sched_getaffinity(0))),
-               "-np", str(NUM_REQUESTS), "-c", str(pool), "--kv-unified", "--port", str(port)]
-        r = serve_and_measure(cmd, port, send_llama, samples, out / "llama-server.log")
-        r["label"], r["pool"] = "llama-server", pool
-        rows.append(r)
-    llama = rows[-1] if args.llama_server else None
+    runs: dict[str, list[dict]] = {}
+    llama_pool = None
+    for rep in range(args.reps):
+        for config in args.config:
+            label, _, extra = config.partition("=")
+            label, _, checkout = label.partition("@")
+            port = free_port()
+            cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", model,
+                   "--port", str(port), "--served-model-name", "m", "--max-num-seqs",
+                   str(NUM_REQUESTS), "--max-model-len", "1024", "--uvicorn-log-level",
+                   "warning", *shlex.split(extra)]
+            r = serve_and_measure(cmd, port, send_pagedserve, samples,
+                                  out / f"{label}_{rep}.log", checkout or None)
+            r["pool"] = int(re.search(r"= (\d+) tokens", r["log"]).group(1))
+            if llama_pool is None and "--memory-budget" in extra:
+                llama_pool = r["pool"]
+            runs.setdefault(label, []).append(r)
+        if args.llama_server:
+            pool = llama_pool or runs[next(iter(runs))][0]["pool"]
+            port = free_port()
+            cmd = [args.llama_server, "-m", model, "-t", str(len(os.sched_getaffinity(0))),
+                   "-np", str(NUM_REQUESTS), "-c", str(pool), "--kv-unified", "--port",
+                   str(port)]
+            r = serve_and_measure(cmd, port, send_llama, samples, out / f"llama_{rep}.log")
+            r["pool"] = pool
+            runs.setdefault("llama-server", []).append(r)
+    report(runs, base, "llama-server" if args.llama_server else None)
+    print(f"(logs: {out})")
+
+
+def report(runs: dict[str, list[dict]], base: int, llama: str | None) -> None:
+    """One line per server: the medians over its runs."""
+    med = {label: {key: statistics.median(r[key] for r in rs)
+                   for key in ("peak_rss", "rss", "tok_s", "pool")} for label, rs in runs.items()}
+    first = next(iter(med))
     print(f"{'server':<16}{'pool tokens':>12}{'VmHWM MiB':>11}{'- baseline':>11}"
           f"{'/ llama':>9}{'VmRSS after':>12}{'tok/s':>8}{'/ first':>9}")
-    for r in rows:
-        above = r["peak_rss"] - (0 if r is llama else base)
-        vs_llama = f"{above / llama['peak_rss']:.2f}x" if llama else "-"
-        print(f"{r['label']:<16}{r['pool']:>12}{r['peak_rss'] / 2**20:>11.0f}"
-              f"{above / 2**20:>11.0f}{vs_llama:>9}{r['rss'] / 2**20:>12.0f}{r['tok_s']:>8.1f}"
-              f"{r['tok_s'] / rows[0]['tok_s']:>8.2f}x")
-    print(f"(logs: {out})")
+    for label, m in med.items():
+        above = m["peak_rss"] - (0 if label == llama else base)
+        vs_llama = f"{above / med[llama]['peak_rss']:.2f}x" if llama else "-"
+        print(f"{label:<16}{m['pool']:>12.0f}{m['peak_rss'] / 2**20:>11.0f}"
+              f"{above / 2**20:>11.0f}{vs_llama:>9}{m['rss'] / 2**20:>12.0f}{m['tok_s']:>8.1f}"
+              f"{m['tok_s'] / med[first]['tok_s']:>8.2f}x")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from pagedserve.worker.kv_cache import (
     resident_within_budget,
     total_memory_bytes,
 )
-from pagedserve.worker.model_loader import load_model
+from pagedserve.worker.model_loader import load_model, release_freed_memory
 from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -197,6 +197,8 @@ class Worker:
             for blocks in scratch:  # resident before the measure: KV blocks, not activations
                 blocks.zero_()
             peak = measure_cpu_peak(run)
+            scratch.clear()
+            release_freed_memory()  # the profiled step's freed activations, not kept resident
             if cache.memory_budget is not None:  # the process: what it holds, its peak, KV
                 total, budget = cache.memory_budget, cache.memory_budget - held - peak
                 source = "memory_budget"
