@@ -13,7 +13,7 @@ QUANTIZATION_HELP = (
     "weights quantized per output channel at load after SmoothQuant, activations per token "
     "(CPU only; not exact); mxfp4, nvfp4: every Linear in that 4-bit float format, "
     "quantized at load unless the .gguf file stores it so, multiplied as the GGUF blocks are "
-    "(CPU only; not exact); none: dequantized weights only (exact with --dtype float32)")
+    "(on CUDA by a Triton kernel; not exact); none: dequantized weights only (exact with --dtype float32)")
 
 
 @dataclass

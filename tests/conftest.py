@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import gguf
+import httpx
 import pytest
 import torch
 
@@ -141,6 +142,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_server_ready(proc: subprocess.Popen, url: str, log: Callable[[], str],
+                      timeout: float) -> None:
+    """Poll ``url + "/health"`` until a test server answers 200; fails the test, with the
+    server's ``log()``, if its process exits or ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"server not ready after {timeout} s:\n{log()}")
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:

@@ -11,14 +11,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from conftest import free_port, stop_process, wait_server_ready
 
 from pagedserve.cpu_ops import cpu_ops_available
-from tests.conftest import free_port, stop_process
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU kernels unavailable")
 
@@ -48,19 +47,8 @@ class BudgetServer:
         return self.log_path.read_text()
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    models = httpx.get(self.url + "/v1/models", timeout=10).json()
-                    self.model = models["data"][0]["id"]
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"server not ready after {START_TIMEOUT} s:\n{self.log()}")
+        wait_server_ready(self.proc, self.url, self.log, START_TIMEOUT)
+        self.model = httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
     def sizing(self) -> tuple[int, int, int]:
         """(held after loading or kept for serving, activation peak, KV blocks) from the

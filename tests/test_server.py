@@ -25,7 +25,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from conftest import free_port, stop_process, wait_until
+from conftest import free_port, stop_process, wait_server_ready, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from stream_twins import (
     PATHS,
@@ -90,17 +90,7 @@ class Server:
         return self.log_path.read_text()
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"server not ready after {START_TIMEOUT} s:\n{self.log_text()}")
+        wait_server_ready(self.proc, self.url, self.log_text, START_TIMEOUT)
 
     def stop(self) -> None:
         stop_process(self.proc)
