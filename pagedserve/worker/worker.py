@@ -59,8 +59,11 @@ from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
+# The profiled step's activations grow with both: tokens in a step, and rows of logits
+# (one per sequence; 256 x SmolLM2's 49,152 vocabulary are 50 MB, sorted for sampling).
 KV_MEMORY_HINT = ("give the KV cache more memory (--gpu-memory-utilization, "
-                  "--kv-cache-memory-bytes or --memory-budget) or lower --max-num-batched-tokens")
+                  "--kv-cache-memory-bytes or --memory-budget) or lower --max-num-seqs or "
+                  "--max-num-batched-tokens")
 
 
 def threads_per_rank(ranks_here: int) -> int:
