@@ -148,10 +148,10 @@ class GGUFEmbedding(nn.Module):
     ``ggml_get_rows`` (Q4_1 and Q8_0 bit-equal to the loader's dequantization) and cast, as
     the float table would hold them. ``weight`` is the blocks (uint8)."""
 
-    def __init__(self, stored: StoredBlocks, dtype: torch.dtype) -> None:
+    def __init__(self, weight: nn.Parameter, qtype: GGMLQuantizationType,
+                 dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(stored.qweight, requires_grad=False)
-        self.qtype, self.dtype = stored.qtype, dtype
+        self.weight, self.qtype, self.dtype = weight, qtype, dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = torch.ops.pagedserve.ggml_get_rows(self.weight, input_ids.reshape(-1),
@@ -170,8 +170,7 @@ def hold_blocks(model: nn.Module, held: dict[nn.Module, StoredBlocks], dtype: to
         param = params.setdefault(id(stored.qweight),
                                   nn.Parameter(stored.qweight, requires_grad=False))
         if module is model.embed_tokens:
-            model.embed_tokens = GGUFEmbedding(stored, dtype)
-            model.embed_tokens.weight = param
+            model.embed_tokens = GGUFEmbedding(param, stored.qtype, dtype)
         else:
             module.method = GGUFWeight(stored.qweight, stored.qtype)
             module.weight = param

@@ -76,9 +76,9 @@ def load_model(args: EngineArgs, hf_config, model_path: pathlib.Path, device: st
 def release_freed_memory() -> None:
     """Hand the heap pages freed while loading (float weights a method replaced, file
     bytes) or profiling back to the OS: glibc keeps them in the process otherwise,
-    resident. With
-    ``--quantization mxfp4`` on the bundled model the process held 621 MiB after loading,
-    441 MiB after ``malloc_trim(0)`` (glibc's ``malloc.h``; a no-op elsewhere)."""
+    resident. With ``--quantization mxfp4`` on the bundled model the process held 621 MiB
+    after loading, 441 MiB after ``malloc_trim(0)`` (glibc's ``malloc.h``; a no-op
+    elsewhere)."""
     libc = ctypes.CDLL(None)
     if hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
