@@ -6,9 +6,10 @@ of the first ``--memory-budget`` run, its default 16-bit KV cache), run one afte
 The interpreter's own baseline (Python with torch, transformers and our HTTP stack
 imported, before any weight) is measured apart.
 
-    .venv/bin/python benchmarks/lean_memory.py --llama-server PATH/llama-server \\
-        --config default= --config "budget=--memory-budget 700000000" \\
-        --config "int8=--quantization int8 --memory-budget 700000000"
+    .venv/bin/python benchmarks/lean_memory.py --reps 2 --llama-server PATH/llama-server \\
+        --config default= \\
+        --config "lean=--memory-budget 750000000 --max-num-batched-tokens 512" \\
+        --config "int8=--quantization int8 --memory-budget 750000000 --max-num-batched-tokens 512"
 
 Each ``--config LABEL=ARGS`` adds one pagedserve run with those serve arguments (besides
 ``--max-num-seqs 16 --max-model-len 1024``); ``LABEL@DIR=ARGS`` runs the checkout in DIR
