@@ -29,7 +29,8 @@ from pagedserve.quantization.fp4_triton import (
 CUDA = torch.cuda.is_available()
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(
-        not triton_attn.INTERPRET, reason="kernels compiled for CUDA; CPU needs TRITON_INTERPRET=1")),
+        not triton_attn.INTERPRET,
+        reason="kernels compiled for CUDA; CPU needs TRITON_INTERPRET=1")),
     pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device")),
 ]
 

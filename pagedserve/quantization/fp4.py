@@ -109,8 +109,7 @@ class FP4Method(QuantizationMethod):
                 continue
             if kernel_takes(layer):
                 layer.method = quantize(layer.weight)
-                layer.weight = nn.Parameter(layer.method.codes if ctx.device != "cpu"
-                                            else layer.method.qweight, requires_grad=False)
+                layer.weight = nn.Parameter(layer.method.qweight, requires_grad=False)
                 counts["quantized at load"] += 1
             else:
                 layer.method = float_weight(layer, ctx)

@@ -63,7 +63,8 @@ def _e4m3(bits):
 @triton.jit
 def _fp4_matmul(x_ptr, codes_ptr, scales_ptr, out_ptr, M, N, K, stride_xm, stride_om,
                 tensor_scale, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
-                DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
@@ -93,10 +94,11 @@ def _fp4_matmul(x_ptr, codes_ptr, scales_ptr, out_ptr, M, N, K, stride_xm, strid
 
 @dataclass(frozen=True)
 class TritonFP4Weight:
-    """A weight ``[N, K]`` in FP4 for the Triton kernel: ``codes`` uint8 ``[N, K / 2]``,
-    ``scales`` uint8 ``[N, K / block]``, ``tensor_scale`` (NVFP4's; 1 for MXFP4)."""
+    """A weight ``[N, K]`` in FP4 for the Triton kernel: ``qweight`` the packed codes uint8
+    ``[N, K / 2]``, ``scales`` uint8 ``[N, K / block]``, ``tensor_scale`` (NVFP4's; 1 for
+    MXFP4)."""
 
-    codes: torch.Tensor
+    qweight: torch.Tensor
     scales: torch.Tensor
     tensor_scale: float
     mxfp4: bool
@@ -112,7 +114,7 @@ class TritonFP4Weight:
 def fp4_matmul(x: torch.Tensor, weight: TritonFP4Weight) -> torch.Tensor:
     """``x [M, K] @ W.T -> [M, N]`` in x's dtype, W decoded from its FP4 blocks. Raises
     ValueError when K does not match the weight's."""
-    n, half_k = weight.codes.shape
+    n, half_k = weight.qweight.shape
     m, k = x.shape
     if k != 2 * half_k:
         raise ValueError(f"x has {k} columns; the FP4 weight has {2 * half_k}")
@@ -120,9 +122,9 @@ def fp4_matmul(x: torch.Tensor, weight: TritonFP4Weight) -> torch.Tensor:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
-    _fp4_matmul[grid](x, weight.codes, weight.scales, out, m, n, k, x.stride(0), out.stride(0),
-                      weight.tensor_scale, SCALE_BLOCK=MXFP4_BLOCK if weight.mxfp4 else NVFP4_BLOCK,
-                      E8M0=weight.mxfp4, DOT_FP32=x.dtype == torch.float32 or INTERPRET,
+    _fp4_matmul[grid](x, weight.qweight, weight.scales, out, m, n, k, x.stride(0),
+                      out.stride(0), weight.tensor_scale,
+                      SCALE_BLOCK=MXFP4_BLOCK if weight.mxfp4 else NVFP4_BLOCK, E8M0=weight.mxfp4, DOT_FP32=x.dtype == torch.float32 or INTERPRET,
                       BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=BLOCK_K)
     return out
 

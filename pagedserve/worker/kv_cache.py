@@ -143,9 +143,9 @@ def fixed_kv_budget(cache: CacheConfig, per_block: int, device: str, num_ranks: 
                     ) -> tuple[int, str] | None:
     """``(kv_budget in bytes, source)`` where no profiling forward pass is needed: the block
     override, ``kv_cache_memory_bytes`` (per rank, as vLLM's), or on CPU without
-    ``gpu_memory_utilization`` or ``memory_budget`` the default shared by the engine's ``num_ranks`` ranks
-    (each rank's blocks are ``1 / num_ranks`` of the model's KV heads, so the pool keeps its
-    size in tokens). None when the budget must be profiled."""
+    ``gpu_memory_utilization`` or ``memory_budget`` the default shared by the engine's
+    ``num_ranks`` ranks (each rank's blocks are ``1 / num_ranks`` of the model's KV heads,
+    so the pool keeps its size in tokens). None when the budget must be profiled."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override * per_block, "override"
     if cache.kv_cache_memory_bytes is not None:
