@@ -103,6 +103,22 @@ def test_kernel_matches_8bit_activation_reference(qtype, n, k):
         assert torch.equal(out[m - 1], kernel(blocks, x[m - 1:], qtype)[0])
 
 
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_kernel_reads_and_writes_bfloat16(qtype):
+    """A bfloat16 x gives its float32 product rounded to bfloat16 (nearest even), bit for
+    bit, in one call; and ties of x's rounding go to even (a block with max|x| = 127 has
+    d = 1, so x = k + 0.5 is a tie)."""
+    blocks = random_blocks(qtype, 48, 128, np.random.default_rng(7))
+    weight = torch.from_numpy(dequantize(blocks, qtype).copy())
+    x = torch.randn(19, 128, generator=torch.Generator().manual_seed(7)).bfloat16()
+    x[3, :32] = torch.tensor([127] + [k + 0.5 for k in range(-15, 16)])
+    out = kernel(blocks, x, qtype)
+    assert out.dtype == torch.bfloat16 and out.shape == (19, 48)
+    exact = kernel(blocks, x.float(), qtype)
+    assert torch.equal(out, exact.bfloat16())
+    assert rel_err(exact, a8_reference(x, weight)) < 2e-6
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.MXFP4])
 def test_repacked_blocks_hold_the_same_bytes_per_tile(qtype):
     """32 rows of 2 blocks: two tiles of 16 rows; per tile and block the 16 scales, (Q4_1)

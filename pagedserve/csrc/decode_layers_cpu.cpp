@@ -59,7 +59,9 @@ torch::Tensor project(const torch::Tensor& a, const torch::Tensor& b, int64_t ki
   }
   if (kind == kFloat)
     return b.numel() > 0 ? fixed_order_linear(x, b, a.size(0)) : at::linear(x, a);
-  // The GGUF kernel takes and gives float32 rows (no-op casts in float32).
+  // The GGUF kernel reads and writes float32 and bfloat16 rows.
+  if (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
+    return ggml_mul_mat_a8(a, x, kind);
   return ggml_mul_mat_a8(a, x.to(at::kFloat), kind).to(x.scalar_type());
 }
 

@@ -222,6 +222,14 @@ struct ActivationBlocks {
 // vectorizes; fast-math is off here so that the compiler keeps it.
 constexpr float kRoundMagic = 12582912.f;
 
+// A block's scale d = amax / 127 and 1 / d (0 for a block of zeros). Its own function:
+// fast-math would multiply by 1 / 127 instead, and the vector quantize_x_block cannot be
+// PRECISE (the attribute stops its intrinsics from inlining).
+PRECISE void block_scale(float amax, float* d, float* id) {
+  *d = amax / 127.f;
+  *id = *d > 0.f ? 1.f / *d : 0.f;
+}
+
 // One block of 32 values of x: its quants q, d, s, sum and sum_low.
 PRECISE void quantize_block(const float* x, int8_t* q, float* d, float* s, int32_t* sum,
                             int32_t* sum_low) {
@@ -230,8 +238,8 @@ PRECISE void quantize_block(const float* x, int8_t* q, float* d, float* s, int32
     const float a = x[j] < 0.f ? -x[j] : x[j];
     amax = amax < a ? a : amax;
   }
-  *d = amax / 127.f;
-  const float id = *d > 0.f ? 1.f / *d : 0.f;
+  float id;
+  block_scale(amax, d, &id);
   int32_t total = 0, low = 0;
   for (int j = 0; j < kBlock; ++j) {
     const int32_t v = static_cast<int32_t>((x[j] * id + kRoundMagic) - kRoundMagic);
@@ -242,19 +250,6 @@ PRECISE void quantize_block(const float* x, int8_t* q, float* d, float* s, int32
   *s = *d * static_cast<float>(total);
   *sum = total;
   *sum_low = low;
-}
-
-ActivationBlocks quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t nb = K / kBlock;
-  ActivationBlocks a{nb, std::vector<int8_t>(M * K), std::vector<float>(M * nb),
-                     std::vector<float>(M * nb), std::vector<int32_t>(M * nb),
-                     std::vector<int32_t>(M * nb)};
-  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      quantize_block(x + i * kBlock, &a.q[i * kBlock], &a.d[i], &a.s[i], &a.sum[i],
-                     &a.sum_low[i]);
-  });
-  return a;
 }
 
 #if defined(PAGEDSERVE_A8_AVX512)
@@ -301,6 +296,34 @@ struct Lanes {
   static inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static inline F fma(F a, float b, F c) { return _mm512_fmadd_ps(a, _mm512_set1_ps(b), c); }
   static inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  // bfloat16: rounded to nearest even, NaN as 0x7FC0 (c10::BFloat16's conversion).
+  static inline void store(at::BFloat16* p, F v) {
+    const I bits = _mm512_castps_si512(v);
+    const I odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    I top = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd,
+                                                   _mm512_set1_epi32(0x7FFF))), 16);
+    top = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), top,
+                                  _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+  }
+  // For quantize_block: rows of x as float32 (a bfloat16 is float32's upper half), |v|,
+  // max(a, b) (b where a is NaN, as `b < a ? a : b`), the largest lane, rounding half to
+  // even, the lanes' sum, and int32 lanes (within int8) stored as bytes.
+  static inline F load_x(const float* p) { return _mm512_loadu_ps(p); }
+  static inline F load_x(const at::BFloat16* p) {
+    const I wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static inline F abs(F v) { return _mm512_abs_ps(v); }
+  static inline F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static inline float hmax(F v) { return _mm512_reduce_max_ps(v); }
+  static inline I round(F v) {
+    return _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static inline int32_t hsum(I v) { return _mm512_reduce_add_epi32(v); }
+  static inline void store_i8(int8_t* p, I v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+  }
 };
 
 #elif defined(PAGEDSERVE_A8_AVX2)
@@ -349,11 +372,69 @@ struct Lanes {
   static inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static inline F fma(F a, float b, F c) { return _mm256_fmadd_ps(a, _mm256_set1_ps(b), c); }
   static inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static inline void store(at::BFloat16* p, F v) {  // as the AVX-512 one
+    const I bits = _mm256_castps_si256(v);
+    const I odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    I top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd,
+                                                   _mm256_set1_epi32(0x7FFF))), 16);
+    top = _mm256_blendv_epi8(top, _mm256_set1_epi32(0x7FC0),
+                             _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),  // lanes <= 0xFFFF: no saturation
+                     _mm_packus_epi32(_mm256_castsi256_si128(top),
+                                      _mm256_extracti128_si256(top, 1)));
+  }
+  static inline F load_x(const float* p) { return _mm256_loadu_ps(p); }
+  static inline F load_x(const at::BFloat16* p) {
+    const I wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static inline F abs(F v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+  static inline F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static inline float hmax(F v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static inline I round(F v) { return _mm256_cvtps_epi32(v); }  // MXCSR's default: even
+  static inline int32_t hsum(I v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+  }
+  static inline void store_i8(int8_t* p, I v) {  // within int8: no saturation
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+  }
 };
 
 #endif
 
 #if defined(PAGEDSERVE_A8_AVX512) || defined(PAGEDSERVE_A8_AVX2)
+
+// quantize_block, kBlock / Lanes::kRows registers at a time, and bit-equal to it: the same
+// largest |x|, division and product, rounded half to even; exact integer sums.
+template <typename In>
+void quantize_x_block(const In* x, int8_t* q, float* d, float* s, int32_t* sum,
+                              int32_t* sum_low) {
+  constexpr int kRegs = kBlock / Lanes::kRows;
+  Lanes::F v[kRegs], amax = Lanes::fzero();
+  for (int i = 0; i < kRegs; ++i) {
+    v[i] = Lanes::load_x(x + i * Lanes::kRows);
+    amax = Lanes::max(Lanes::abs(v[i]), amax);
+  }
+  float id;
+  block_scale(Lanes::hmax(amax), d, &id);
+  int32_t total = 0, low = 0;
+  for (int i = 0; i < kRegs; ++i) {
+    const Lanes::I qi = Lanes::round(Lanes::mul(v[i], id));
+    Lanes::store_i8(q + i * Lanes::kRows, qi);
+    total += Lanes::hsum(qi);
+    if ((i + 1) * Lanes::kRows == kBlock / 2) low = total;
+  }
+  *s = *d * static_cast<float>(total);
+  *sum = total;
+  *sum_low = low;
+}
 
 // Per lane, the sum over k of register w[k]'s 4 unsigned bytes times activation quants
 // 4k..4k+3 (k from k0 to k1 - 1): a block's integer dot products for the tile's rows.
@@ -496,9 +577,9 @@ struct NVFP4 : NVFP4Layout, FP4Codes {
 
 // out[m * ldo + r] for r < kRows, m < MT: rows m0.. of x times kRows rows of a tile
 // (lane_offset: their bytes' offset within each 64-byte group of the tile).
-template <typename Format, int MT>
+template <typename Format, int MT, typename Out>
 void tile_rows(const uint8_t* tile, int64_t lane_offset, const ActivationBlocks& a, int64_t m0,
-               bool prefetch, float* out, int64_t ldo) {
+               bool prefetch, Out* out, int64_t ldo) {
   const int64_t nb = a.blocks_per_row, K = nb * kBlock;
   Lanes::F acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = Lanes::fzero();
@@ -522,8 +603,8 @@ void tile_rows(const uint8_t* tile, int64_t lane_offset, const ActivationBlocks&
     Lanes::store(out + m * ldo, Format::finish(acc[m], tail, lane_offset));
 }
 
-template <typename Format, int MT>
-void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, float* out,
+template <typename Format, int MT, typename Out>
+void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, Out* out,
                int64_t ldo) {
   for (int64_t half = 0; half < kTileRows / Lanes::kRows; ++half)
     tile_rows<Format, MT>(tile, half * 4 * Lanes::kRows, a, m0, m0 == 0 && half == 0,
@@ -531,6 +612,14 @@ void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, float
 }
 
 #else  // portable: the same layout, one product at a time
+
+template <typename In>
+void quantize_x_block(const In* x, int8_t* q, float* d, float* s, int32_t* sum,
+                      int32_t* sum_low) {
+  float v[kBlock];
+  for (int j = 0; j < kBlock; ++j) v[j] = static_cast<float>(x[j]);
+  quantize_block(v, q, d, s, sum, sum_low);
+}
 
 // Per format: quant j of row r of a tile's block (signed, FP4's doubled), the block's
 // addition to row r's output for one row of x, and row r's factor after the last block.
@@ -601,8 +690,8 @@ struct NVFP4 : NVFP4Layout, FP4Codes {
   }
 };
 
-template <typename Format, int MT>
-void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, float* out,
+template <typename Format, int MT, typename Out>
+void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, Out* out,
                int64_t ldo) {
   const int64_t nb = a.blocks_per_row, K = nb * kBlock;
   float acc[MT][kTileRows] = {};
@@ -618,28 +707,42 @@ void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, float
   const uint8_t* tail = tile + tail_offset<Format>(nb);
   for (int m = 0; m < MT; ++m)
     for (int64_t r = 0; r < kTileRows; ++r)
-      out[m * ldo + r] = acc[m][r] * Format::row_factor(tail, r);
+      out[m * ldo + r] = static_cast<Out>(acc[m][r] * Format::row_factor(tail, r));
 }
 
 #endif
 
-template <typename Format>
-void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, float* out) {
+template <typename In>
+ActivationBlocks quantize_rows(const In* x, int64_t M, int64_t K) {
+  const int64_t nb = K / kBlock;
+  ActivationBlocks a{nb, std::vector<int8_t>(M * K), std::vector<float>(M * nb),
+                     std::vector<float>(M * nb), std::vector<int32_t>(M * nb),
+                     std::vector<int32_t>(M * nb)};
+  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      quantize_x_block(x + i * kBlock, &a.q[i * kBlock], &a.d[i], &a.s[i], &a.sum[i],
+                       &a.sum_low[i]);
+  });
+  return a;
+}
+
+template <typename Format, typename Out>
+void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, Out* out) {
   const int64_t tile_bytes = tile_bytes_of<Format>(a.blocks_per_row);
   at::parallel_for(0, N / kTileRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = W + t * tile_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerPass) {
-        float* o = out + m0 * N + t * kTileRows;
+        Out* o = out + m0 * N + t * kTileRows;
         switch (std::min(M - m0, kMaxRowsPerPass)) {
-          case 1: tile_pass<Format, 1>(tile, a, m0, o, N); break;
-          case 2: tile_pass<Format, 2>(tile, a, m0, o, N); break;
-          case 3: tile_pass<Format, 3>(tile, a, m0, o, N); break;
-          case 4: tile_pass<Format, 4>(tile, a, m0, o, N); break;
-          case 5: tile_pass<Format, 5>(tile, a, m0, o, N); break;
-          case 6: tile_pass<Format, 6>(tile, a, m0, o, N); break;
-          case 7: tile_pass<Format, 7>(tile, a, m0, o, N); break;
-          default: tile_pass<Format, 8>(tile, a, m0, o, N); break;
+          case 1: tile_pass<Format, 1, Out>(tile, a, m0, o, N); break;
+          case 2: tile_pass<Format, 2, Out>(tile, a, m0, o, N); break;
+          case 3: tile_pass<Format, 3, Out>(tile, a, m0, o, N); break;
+          case 4: tile_pass<Format, 4, Out>(tile, a, m0, o, N); break;
+          case 5: tile_pass<Format, 5, Out>(tile, a, m0, o, N); break;
+          case 6: tile_pass<Format, 6, Out>(tile, a, m0, o, N); break;
+          case 7: tile_pass<Format, 7, Out>(tile, a, m0, o, N); break;
+          default: tile_pass<Format, 8, Out>(tile, a, m0, o, N); break;
         }
       }
     }
@@ -648,32 +751,50 @@ void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, 
 
 }  // namespace
 
-// qweight: uint8 [N / 16, tile bytes] (K / 32 blocks of 320 bytes for Q4_1, 544 for Q8_0,
-// 320 and a tail of 64 for NVFP4; for MXFP4 pad64(K / 32 * 16) + K / 32 * 256), blocks
-// repacked in tiles of 16 rows (see the layout above); x: float32 [M, K], K a multiple of
-// 32. Returns float32 [M, N]. Raises (RuntimeError) on another qweight_type, dtype or shape.
-torch::Tensor ggml_mul_mat_a8(torch::Tensor qweight, torch::Tensor x, int64_t qweight_type) {
-  TORCH_CHECK(is_kernel_type(qweight_type), "ggml_mul_mat_a8: qweight_type must be 3 (Q4_1), ",
-              "8 (Q8_0), 39 (MXFP4) or 40 (NVFP4), got ", qweight_type);
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
-              "ggml_mul_mat_a8: qweight must be a contiguous uint8 [N / 16, tile_bytes] tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2,
-              "ggml_mul_mat_a8: x must be a float32 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * kTileRows;
-  TORCH_CHECK(K % kBlock == 0 && qweight.size(1) == tile_bytes(qweight_type, K),
-              "ggml_mul_mat_a8: x has K = ", K, " columns, qweight tiles have ", qweight.size(1),
-              " bytes; expected K a multiple of 32 and ", tile_bytes(qweight_type, K), " bytes");
-  x = x.contiguous();
-  const ActivationBlocks a = quantize_rows(x.data_ptr<float>(), M, K);
-  auto out = torch::empty({M, N}, x.options());
-  const uint8_t* W = qweight.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
+namespace {
+
+// out = x @ W^T in x's dtype (In: float or at::BFloat16).
+template <typename In>
+void mul_mat_of(const uint8_t* W, int64_t qweight_type, const torch::Tensor& x,
+                torch::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const ActivationBlocks a = quantize_rows(x.data_ptr<In>(), M, K);
+  In* o = out.data_ptr<In>();
   switch (qweight_type) {
     case kQ4_1: mul_mat<Q4_1>(W, a, M, N, o); break;
     case kQ8_0: mul_mat<Q8_0>(W, a, M, N, o); break;
     case kMXFP4: mul_mat<MXFP4>(W, a, M, N, o); break;
     default: mul_mat<NVFP4>(W, a, M, N, o); break;
   }
+}
+
+}  // namespace
+
+// qweight: uint8 [N / 16, tile bytes] (K / 32 blocks of 320 bytes for Q4_1, 544 for Q8_0,
+// 320 and a tail of 64 for NVFP4; for MXFP4 pad64(K / 32 * 16) + K / 32 * 256), blocks
+// repacked in tiles of 16 rows (see the layout above); x: float32 or bfloat16 [M, K], K a
+// multiple of 32. Returns [M, N] in x's dtype: a bfloat16 x gives the float32 product
+// rounded to nearest even (bit-equal to the float32 x's result .to(torch.bfloat16), NaN
+// aside; x's bfloat16 values are exact in float32). Raises (RuntimeError) on another
+// qweight_type, dtype or shape.
+torch::Tensor ggml_mul_mat_a8(torch::Tensor qweight, torch::Tensor x, int64_t qweight_type) {
+  TORCH_CHECK(is_kernel_type(qweight_type), "ggml_mul_mat_a8: qweight_type must be 3 (Q4_1), ",
+              "8 (Q8_0), 39 (MXFP4) or 40 (NVFP4), got ", qweight_type);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "ggml_mul_mat_a8: qweight must be a contiguous uint8 [N / 16, tile_bytes] tensor");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2,
+              "ggml_mul_mat_a8: x must be a float32 or bfloat16 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * kTileRows;
+  TORCH_CHECK(K % kBlock == 0 && qweight.size(1) == tile_bytes(qweight_type, K),
+              "ggml_mul_mat_a8: x has K = ", K, " columns, qweight tiles have ", qweight.size(1),
+              " bytes; expected K a multiple of 32 and ", tile_bytes(qweight_type, K), " bytes");
+  x = x.contiguous();
+  auto out = torch::empty({M, N}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    mul_mat_of<float>(qweight.data_ptr<uint8_t>(), qweight_type, x, out);
+  else
+    mul_mat_of<at::BFloat16>(qweight.data_ptr<uint8_t>(), qweight_type, x, out);
   return out;
 }
 

@@ -59,7 +59,6 @@ class GGUFWeight:
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        # The kernel takes float32 (a no-op in float32).
         out = gguf_mm(x.reshape(rows, -1), self).to(x.dtype).view(*x.shape[:-1], -1)
         return out if layer.bias is None else out + layer.bias
 
@@ -68,9 +67,12 @@ class GGUFWeight:
 
 
 def gguf_mm(x: torch.Tensor, weight: GGUFWeight) -> torch.Tensor:
-    """``x [M, K] @ W.T -> [M, N]`` float32 from the blocks, x rounded to 8 bits per
-    block of 32."""
-    return torch.ops.pagedserve.ggml_mul_mat_a8(weight.qweight, x.float(), int(weight.qtype))
+    """``x [M, K] @ W.T -> [M, N]`` from the blocks, x rounded to 8 bits per block of 32;
+    in x's dtype for float32 and bfloat16 (the kernel reads and writes both), else in
+    float32."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    return torch.ops.pagedserve.ggml_mul_mat_a8(weight.qweight, x, int(weight.qtype))
 
 
 def repack_blocks(rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
