@@ -23,8 +23,13 @@ namespace {
 // Rows per parallel task: a decode step's few rows stay on one thread.
 constexpr int64_t kGrain = 16;
 
+// x as T. A float32 passes a barrier, so that fast-math cannot fuse a product and a sum
+// into one FMA: PyTorch rounds after each op.
 template <typename T>
-inline T round_to(float x) { return static_cast<T>(x); }
+inline T round_to(float x) {
+  if constexpr (std::is_same_v<T, float>) asm("" : "+x"(x));
+  return static_cast<T>(x);
+}
 
 template <typename scalar_t>
 void rms_norm_row(scalar_t* out, const scalar_t* x, const scalar_t* w, int64_t H, float eps) {
@@ -84,6 +89,89 @@ void rotate_head(scalar_t* x, const cos_t* cos, const cos_t* sin, int64_t rotary
   }
 }
 
+// One register of floats, and the bits of as many float32 / bfloat16 values (GCC's vector
+// extensions): 16 lanes with AVX-512, else 8.
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
+
+// kLanes values at p as float32; a bfloat16 is float32's upper half.
+template <typename T>
+inline vf loadv(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    vf x;
+    std::memcpy(&x, p, sizeof(x));
+    return x;
+  } else {
+    vh h;
+    std::memcpy(&h, p, sizeof(h));
+    const vu bits = __builtin_convertvector(h, vu) << 16;
+    return reinterpret_cast<const vf&>(bits);
+  }
+}
+
+// x rounded to T (round_to's value, as float32): bfloat16 to nearest even, NaN to
+// c10's 0x7FC0; float32 as is, behind a barrier so that fast-math cannot fuse a product
+// and a sum into one FMA (PyTorch rounds each op).
+template <typename T>
+inline vf roundv(vf x) {
+  if constexpr (std::is_same_v<T, float>) {
+#ifdef __FMA__
+    asm("" : "+v"(x));
+#endif
+    return x;
+  } else {
+    const vu bits = reinterpret_cast<const vu&>(x);
+    const vu top = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    const vu out = x == x ? top : vu{} + 0x7FC00000u;
+    return reinterpret_cast<const vf&>(out);
+  }
+}
+
+// kLanes floats already rounded to T (roundv) stored as T.
+template <typename T>
+inline void storev(T* p, vf x) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &x, sizeof(x));
+  } else {
+    const vh h = __builtin_convertvector(reinterpret_cast<const vu&>(x) >> 16, vh);
+    std::memcpy(p, &h, sizeof(h));
+  }
+}
+
+// rotate_head for "rotate half" with rotary_dim / 2 a multiple of kLanes, for float32
+// and bfloat16: the same roundings, a register of pairs at a time.
+template <typename scalar_t, typename cos_t>
+void rotate_half_vec(scalar_t* x, const cos_t* cos, const cos_t* sin, int64_t half) {
+  auto r = [](vf v) { return roundv<scalar_t>(v); };
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const vf ca = r(loadv(cos + i)), cb = r(loadv(cos + i + half));
+    const vf sa = r(loadv(sin + i)), sb = r(loadv(sin + i + half));
+    const vf xa = loadv(x + i), xb = loadv(x + i + half);
+    storev(x + i, r(r(xa * ca) + r(-xb * sa)));
+    storev(x + i + half, r(r(xb * cb) + r(xa * sb)));
+  }
+}
+
+template <typename T>
+constexpr bool kVectorRotary = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// rotate_head, a register of pairs at a time where the layout and dtypes allow it.
+template <typename scalar_t, typename cos_t>
+void rotate(scalar_t* x, const cos_t* cos, const cos_t* sin, int64_t rotary_dim,
+            bool interleaved) {
+  if constexpr (kVectorRotary<scalar_t> && kVectorRotary<cos_t>) {
+    if (!interleaved && rotary_dim % (2 * kLanes) == 0)
+      return rotate_half_vec(x, cos, sin, rotary_dim / 2);
+  }
+  rotate_head(x, cos, sin, rotary_dim, interleaved);
+}
+
 }  // namespace
 
 namespace {
@@ -98,8 +186,8 @@ void rotate_rows(const int64_t* pos, torch::Tensor& q, torch::Tensor& k, const c
       const cos_t* s = sin + pos[t] * rotary_dim;
       scalar_t* qr = q.data_ptr<scalar_t>() + t * q.stride(0);
       scalar_t* kr = k.data_ptr<scalar_t>() + t * k.stride(0);
-      for (int64_t h = 0; h < H; ++h) rotate_head(qr + h * D, c, s, rotary_dim, interleaved);
-      for (int64_t h = 0; h < KVH; ++h) rotate_head(kr + h * D, c, s, rotary_dim, interleaved);
+      for (int64_t h = 0; h < H; ++h) rotate(qr + h * D, c, s, rotary_dim, interleaved);
+      for (int64_t h = 0; h < KVH; ++h) rotate(kr + h * D, c, s, rotary_dim, interleaved);
     }
   });
 }
