@@ -257,9 +257,9 @@ void tile_rows(const T* k_base, const T* v_base, const int64_t* table, int64_t s
 
 // Asks for rows[0:n] + offset .. + offset + D of K and V into L1 (a tile's rows of one KV
 // head fit: 32 KB in float32; asking for L2 only was 15-20% slower on decode batches of
-// 16-64 here). Called per KV head with the next tile's rows, so the requests spread over
-// the tile's work instead of stalling in one burst on the few outstanding misses a core
-// may have.
+// 16-64 here). Called per query head with its share of the next tile's rows of the KV
+// head, so the requests spread over the tile's work instead of stalling in one burst on
+// the few outstanding misses a core may have.
 template <typename T>
 inline void prefetch_rows(const T* const* krows, const T* const* vrows, int64_t n,
                           int64_t offset, int64_t D) {
@@ -302,8 +302,11 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
               krows[t ^ 1], vrows[t ^ 1]);
     for (int64_t g = 0; g < kv_heads; ++g) {
       const int64_t offset = g * D;
-      prefetch_rows(krows[t ^ 1], vrows[t ^ 1], next_n, offset, D);
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        // Each query head asks for its share of the next tile's rows of this KV head: in
+        // smaller bursts than all at once, 7-15% faster decode steps (36 x 300 keys).
+        const int64_t i = h - g * group, p0 = next_n * i / group, p1 = next_n * (i + 1) / group;
+        prefetch_rows(krows[t ^ 1] + p0, vrows[t ^ 1] + p0, p1 - p0, offset, D);
         float* acc_h = acc.data() + h * D;
         if constexpr (kD > 0)
           dot_keys<kD / kLanes>(qf.data() + h * D, krows[t], offset, n, scores);
