@@ -14,7 +14,6 @@ import argparse
 import time
 
 import torch
-from gguf import GGML_QUANT_SIZES
 
 from pagedserve import LLM
 from pagedserve.quantization.base import Linear
@@ -30,11 +29,10 @@ def main() -> None:
     model = llm.engine.executor.driver_worker.model
     torch.set_num_threads(args.threads)
     # in forward order: 30 x (qkv, o, gate_up, down), then the (tied) head
-    quants = [m.method for m in model.modules() if isinstance(m, Linear)]
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
     gen = torch.Generator().manual_seed(0)
-    steps = [(q.qweight, int(q.qtype),
-              torch.randn(args.rows, q.qweight.shape[1] // GGML_QUANT_SIZES[q.qtype][1] * 32,
-                          generator=gen)) for q in quants]
+    steps = [(m.method.qweight, int(m.method.qtype),
+              torch.randn(args.rows, m.in_features, generator=gen)) for m in layers]
     total = sum(qweight.numel() for qweight, _, _ in steps)
     mul_mat = torch.ops.pagedserve.ggml_mul_mat_a8
 
