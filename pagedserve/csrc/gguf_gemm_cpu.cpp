@@ -1,7 +1,7 @@
 // GGUF-quantized matrix multiply with 8-bit activations, for CPU
 // (torch.ops.pagedserve.ggml_mul_mat_a8):  out[M, N] = x[M, K] @ W^T,
 // W [N, K] kept as GGUF blocks (Q4_1, Q8_0, or FP4: MXFP4 and NVFP4) repacked at load,
-// x float32.
+// x float32 or bfloat16 (out in x's dtype).
 // For decode steps (1 to some tens of rows of x) the step is bound by reading W, whose
 // blocks are 3.2x (Q8_0) to 6.4x (Q4_1) smaller than float32, and by the products, which
 // run as 8-bit integer dot products (4x the multiply-adds of a float32 FMA per instruction).
@@ -19,7 +19,8 @@
 //        float32 scale (NVFP4's tensor scale), one per row after the tile's blocks.
 //
 // As llama.cpp's CPU backend and vLLM's GGUF kernels (ggml_mul_mat_vec_a8) do, each row of
-// x is first quantized per block of 32 (block_q8_1's idea, with float32 scales):
+// x is first quantized per block of 32 (block_q8_1's idea, with float32 scales; 16 or 8
+// values a register at a time):
 //   da = max|x| / 127,  a = round_half_even(x * (1 / da)),  sa = da * sum(a),
 // and a weight block meets its activation block as one integer dot product:
 //   Q4_1: sum_j (d q_j + m)(da a_j) = d da sum_j q_j a_j + m sa;   Q8_0: d da sum_j q_j a_j;
