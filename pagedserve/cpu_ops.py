@@ -2,8 +2,8 @@
 
 All sources build into one library with ``torch.utils.cpp_extension`` on first use (about
 a minute on two cores; ``setup.sh`` does it once), cached under torch's extensions folder
-and keyed by the sources and this CPU's instruction-set flags (they are compiled with
-``-march=native``).
+and keyed by the sources (``csrc/*.h`` included) and this CPU's instruction-set flags (they
+are compiled with ``-march=native``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from pagedserve.config import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
+_HEADERS = sorted(_CSRC.glob("*.h"))  # included by the sources: part of the build's key
 
 
 @functools.cache
@@ -32,7 +34,7 @@ def load_cpu_ops():
     # moved, so two checkouts sharing one name would rebuild each other's kernels.
     digest = hashlib.sha256(" ".join(sorted(cpu_flags())).encode())
     digest.update(str(Path(__file__).parent.resolve()).encode())
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     load(
         name=f"pagedserve_cpu_ops_{digest.hexdigest()[:12]}",

@@ -18,6 +18,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
 // Rows per parallel task: a decode step's few rows stay on one thread.
@@ -89,31 +91,8 @@ void rotate_head(scalar_t* x, const cos_t* cos, const cos_t* sin, int64_t rotary
   }
 }
 
-// One register of floats, and the bits of as many float32 / bfloat16 values (GCC's vector
-// extensions): 16 lanes with AVX-512, else 8.
-#ifdef __AVX512F__
-constexpr int64_t kLanes = 16;
-#else
-constexpr int64_t kLanes = 8;
-#endif
-typedef float vf __attribute__((vector_size(4 * kLanes)));
-typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
-typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
-
-// kLanes values at p as float32; a bfloat16 is float32's upper half.
-template <typename T>
-inline vf loadv(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    vf x;
-    std::memcpy(&x, p, sizeof(x));
-    return x;
-  } else {
-    vh h;
-    std::memcpy(&h, p, sizeof(h));
-    const vu bits = __builtin_convertvector(h, vu) << 16;
-    return reinterpret_cast<const vf&>(bits);
-  }
-}
+using pagedserve_vec::kLanes, pagedserve_vec::vf, pagedserve_vec::vu16, pagedserve_vec::loadv;
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));  // vf's bits
 
 // x rounded to T (round_to's value, as float32): bfloat16 to nearest even, NaN to
 // c10's 0x7FC0; float32 as is, behind a barrier so that fast-math cannot fuse a product
@@ -135,11 +114,11 @@ inline vf roundv(vf x) {
 
 // kLanes floats already rounded to T (roundv) stored as T.
 template <typename T>
-inline void storev(T* p, vf x) {
+inline void store_rounded(T* p, vf x) {
   if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(p, &x, sizeof(x));
+    pagedserve_vec::storev(p, x);
   } else {
-    const vh h = __builtin_convertvector(reinterpret_cast<const vu&>(x) >> 16, vh);
+    const vu16 h = __builtin_convertvector(reinterpret_cast<const vu&>(x) >> 16, vu16);
     std::memcpy(p, &h, sizeof(h));
   }
 }
@@ -153,8 +132,8 @@ void rotate_half_vec(scalar_t* x, const cos_t* cos, const cos_t* sin, int64_t ha
     const vf ca = r(loadv(cos + i)), cb = r(loadv(cos + i + half));
     const vf sa = r(loadv(sin + i)), sb = r(loadv(sin + i + half));
     const vf xa = loadv(x + i), xb = loadv(x + i + half);
-    storev(x + i, r(r(xa * ca) + r(-xb * sa)));
-    storev(x + i + half, r(r(xb * cb) + r(xa * sb)));
+    store_rounded(x + i, r(r(xa * ca) + r(-xb * sa)));
+    store_rounded(x + i + half, r(r(xb * cb) + r(xa * sb)));
   }
 }
 

@@ -27,9 +27,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,49 +34,17 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
 // Keys per online-softmax tile (across blocks): the max/exp/rescale work of a tile is
 // shared by this many keys.
 constexpr int64_t kTileKeys = 64;
 
-// One vector register of floats: 16 lanes with AVX-512 (half the instructions of AVX2 for
-// the same work), else 8 (the compiler splits or fuses it for other widths).
-#ifdef __AVX512F__
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vf __attribute__((vector_size(4 * kLanes)));
-typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
-typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
+using pagedserve_vec::kLanes, pagedserve_vec::vf, pagedserve_vec::vi;
+using pagedserve_vec::loadv, pagedserve_vec::storev;
 typedef float v8f __attribute__((vector_size(32)));
-
-// kLanes values at p as float32: bfloat16 is the top half of a float32, so it converts
-// with a widen and a shift; other dtypes convert one by one.
-template <typename T>
-inline vf loadv(const T* p) {
-  vf x;
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&x, p, sizeof(x));
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-#ifdef __AVX512F__
-    // one vpmovzxwd (GCC splits __builtin_convertvector's widening into halves)
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    const vi bits = reinterpret_cast<vi>(_mm512_slli_epi32(w, 16));
-#else
-    vu16 h;
-    std::memcpy(&h, p, sizeof(h));
-    const vi bits = __builtin_convertvector(h, vi) << 16;
-#endif
-    std::memcpy(&x, &bits, sizeof(x));
-  } else {
-    for (int i = 0; i < kLanes; ++i) x[i] = static_cast<float>(p[i]);
-  }
-  return x;
-}
-
-inline void storev(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
 
 // exp(x) for x <= 0 (softmax exponents: score minus a running max), 0 below -87 (also
 // for -inf); Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-7

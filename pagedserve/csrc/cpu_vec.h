@@ -1,0 +1,56 @@
+// One vector register of floats for the CPU kernels (GCC's vector extensions), shared by
+// paged_attention_cpu.cpp and layer_ops_cpu.cpp: 16 lanes with AVX-512 (half the
+// instructions of AVX2 for the same work), else 8 (the compiler splits or fuses it for
+// other widths). loadv widens kLanes values of any dtype to float32; storev writes
+// float32. (cpu_ops.py keys the build on this header too.)
+
+#pragma once
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace pagedserve_vec {
+
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
+
+// kLanes values at p as float32: bfloat16 is the top half of a float32, so it converts
+// with a widen and a shift; other dtypes convert one by one.
+template <typename T>
+inline vf loadv(const T* p) {
+  vf x;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&x, p, sizeof(x));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#ifdef __AVX512F__
+    // one vpmovzxwd (GCC splits __builtin_convertvector's widening into halves)
+    const __m512i w =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const vi bits = reinterpret_cast<vi>(_mm512_slli_epi32(w, 16));
+#else
+    vu16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const vi bits = __builtin_convertvector(h, vi) << 16;
+#endif
+    std::memcpy(&x, &bits, sizeof(x));
+  } else {
+    for (int i = 0; i < kLanes; ++i) x[i] = static_cast<float>(p[i]);
+  }
+  return x;
+}
+
+inline void storev(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
+
+}  // namespace pagedserve_vec
