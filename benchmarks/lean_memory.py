@@ -35,6 +35,8 @@ from pathlib import Path
 import httpx
 
 from pagedserve.benchmarks.datasets import resolve_path, workload_samples
+from pagedserve.benchmarks.serve import wait_server_started
+from pagedserve.distributed.group import free_port
 from pagedserve.model_loader.files import resolve_model_path
 
 NUM_REQUESTS = 16
@@ -57,27 +59,6 @@ def baseline_rss() -> int:
     return int(subprocess.check_output([sys.executable, "-c", code], text=True)) * 1024
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {START_TIMEOUT} s")
-
-
 def run_requests(send, samples) -> tuple[float, int]:
     """All samples at once through ``send(sample) -> output tokens``; (seconds, tokens)."""
     start = time.perf_counter()
@@ -95,7 +76,7 @@ def serve_and_measure(cmd: list[str], port: int, send, samples, log: Path,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_ready(proc, url, log)
+        wait_server_started(proc, url, START_TIMEOUT, log.read_text)
         seconds, tokens = run_requests(lambda s: send(url, s), samples)
         return {"peak_rss": resident(proc.pid), "rss": resident(proc.pid, "VmRSS"),
                 "tok_s": tokens / seconds, "log": log.read_text()}

@@ -4,14 +4,12 @@ tiny random-weight Llama."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import gguf
-import httpx
 import pytest
 import torch
 
@@ -21,6 +19,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from pagedserve.benchmarks.serve import wait_server_started
+from pagedserve.distributed import group
 from pagedserve.model_loader.files import resolve_model_path
 
 CHAT_QUESTIONS = [
@@ -139,26 +139,17 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str,
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for a test server)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return group.free_port("127.0.0.1")
 
 
 def wait_server_ready(proc: subprocess.Popen, url: str, log: Callable[[], str],
                       timeout: float) -> None:
     """Poll ``url + "/health"`` until a test server answers 200; fails the test, with the
     server's ``log()``, if its process exits or ``timeout`` seconds pass first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"server not ready after {timeout} s:\n{log()}")
+    try:
+        wait_server_started(proc, url, timeout, log)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:

@@ -23,7 +23,9 @@ import json
 import logging
 import math
 import os
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -203,6 +205,27 @@ def request_body(model: str, sample: datasets.SampleRequest, ignore_eos: bool) -
     return {"model": model, "prompt": sample.prompt_token_ids,
             "max_tokens": sample.expected_output_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+
+
+def wait_server_started(proc: subprocess.Popen, url: str, timeout: float,
+                        log: Callable[[], str]) -> None:
+    """Poll ``url + "/health"`` until the server that ``proc`` started answers 200.
+
+    Raises RuntimeError, with the server's ``log()``, if the process exits or ``timeout``
+    seconds pass first (for benchmarks and tests that start their own servers)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout} s:\n{log()}")
 
 
 async def wait_ready(client, base_url: str, timeout: float) -> list[str]:
