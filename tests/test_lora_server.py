@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import free_port, stop_process, wait_until
+from conftest import free_port, stop_process, wait_server_ready
 from prometheus_client.parser import text_string_to_metric_families
 
 VOCAB = 96
@@ -143,16 +143,7 @@ class Server:
                 env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
 
     def wait_ready(self) -> None:
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n"
-                            f"{self.log_path.read_text()}")
-            try:
-                return httpx.get(self.url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(ready, START_TIMEOUT, "the server to start", interval=0.2)
+        wait_server_ready(self.proc, self.url, self.log_path.read_text, START_TIMEOUT)
 
     def stop(self) -> None:
         stop_process(self.proc)

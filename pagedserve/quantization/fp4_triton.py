@@ -124,7 +124,8 @@ def fp4_matmul(x: torch.Tensor, weight: TritonFP4Weight) -> torch.Tensor:
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
     _fp4_matmul[grid](x, weight.qweight, weight.scales, out, m, n, k, x.stride(0),
                       out.stride(0), weight.tensor_scale,
-                      SCALE_BLOCK=MXFP4_BLOCK if weight.mxfp4 else NVFP4_BLOCK, E8M0=weight.mxfp4, DOT_FP32=x.dtype == torch.float32 or INTERPRET,
+                      SCALE_BLOCK=MXFP4_BLOCK if weight.mxfp4 else NVFP4_BLOCK,
+                      E8M0=weight.mxfp4, DOT_FP32=x.dtype == torch.float32 or INTERPRET,
                       BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=BLOCK_K)
     return out
 
