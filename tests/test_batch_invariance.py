@@ -68,6 +68,25 @@ def test_fixed_order_linear_rows_invariant(m, shape, dtype, seed):
         torch.testing.assert_close(out.double(), exact, rtol=2 ** -7, atol=float(bound.max()))
 
 
+@pytest.mark.parametrize("m,n", [(7, 48), (200, 100), (450, 960)])  # chunks of 192 rows
+def test_fixed_order_bfloat16_result_is_its_float32_result_rounded(m, n):
+    """The kernel rounds its float32 sums to bfloat16 itself (nearest even): bit for bit
+    what Tensor.to(bfloat16) makes of the same sums, here the float32 result of the same
+    chains (a bfloat16 row widened to float32 is exact); a NaN stays NaN (0x7FC0, as
+    c10::BFloat16 writes it; Tensor.to's vector path writes 0xFFFF)."""
+    gen = torch.Generator().manual_seed(m)
+    weight = torch.randn(n, 96, generator=gen).bfloat16()
+    x = torch.randn(m, 96, generator=gen).bfloat16()
+    x[m // 2, 5] = float("nan")
+    ops = load_cpu_ops()
+    packed = ops.pack_linear_weight(weight)
+    rounded = ops.fixed_order_linear(x.float(), packed, n).to(torch.bfloat16)
+    out = ops.fixed_order_linear(x, packed, n)
+    assert out[m // 2].isnan().all()
+    finite = torch.arange(m) != m // 2
+    assert torch.equal(out[finite].view(torch.int16), rounded[finite].view(torch.int16))
+
+
 @settings(max_examples=10, deadline=None)
 @given(m=st.integers(1, 300), qtype=st.sampled_from([Q.Q4_1, Q.Q8_0, Q.MXFP4, Q.NVFP4]),
        seed=st.integers(0, 2**31))

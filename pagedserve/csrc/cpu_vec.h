@@ -2,7 +2,7 @@
 // paged_attention_cpu.cpp and layer_ops_cpu.cpp: 16 lanes with AVX-512 (half the
 // instructions of AVX2 for the same work), else 8 (the compiler splits or fuses it for
 // other widths). loadv widens kLanes values of any dtype to float32; storev writes
-// float32. (cpu_ops.py keys the build on this header too.)
+// float32 or bfloat16. (cpu_ops.py keys the build on this header too.)
 
 #pragma once
 
@@ -52,5 +52,17 @@ inline vf loadv(const T* p) {
 }
 
 inline void storev(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
+
+// x rounded to bfloat16 as c10::BFloat16 rounds a float (nearest even, NaN as 0x7FC0), in
+// integer arithmetic: fast-math may not fold the NaN test away.
+inline void storev(c10::BFloat16* p, vf x) {
+  typedef uint32_t vu32 __attribute__((vector_size(4 * kLanes)));
+  vu32 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const vu32 rounded = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) >> 16;
+  const vu32 nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;  // all ones where NaN
+  const vu16 top = __builtin_convertvector((rounded & ~nan) | (nan & 0x7FC0u), vu16);
+  std::memcpy(p, &top, sizeof(top));
+}
 
 }  // namespace pagedserve_vec

@@ -15,10 +15,11 @@
 // panel's k-th step is one contiguous kPanel-wide load. A micro-kernel keeps kRows x kPanel
 // accumulators in registers and, per k, broadcasts one x value per row against the panel's
 // two vectors. K is cut into runs of kDepth, and a block of kPanelsPerBlock panels (kDepth x
-// kPanelsPerBlock * kPanel weights, L2-sized) is reused by every kRows rows of x; between
-// runs the accumulators go to out and come back, which continues the same chain (a
-// float32 store and load are exact). Threads split the panels: no thread ever shares an
-// output element, so there is no split-K and no reduction across threads.
+// kPanelsPerBlock * kPanel weights, L2-sized) is reused by every kRows rows of a chunk of
+// x's rows; between runs the accumulators go to a float32 buffer and come back, which
+// continues the same chain (a float32 store and load are exact); gemm_blocking.h has the
+// loops. Threads split the panels: no thread ever shares an output element, so there is no
+// split-K and no reduction across threads.
 //
 // bfloat16 is the top half of a float32: its weights and rows convert exactly (a widen and
 // a shift), the sums stay float32, and a bfloat16 result is rounded once at the end.
@@ -39,6 +40,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "cpu_vec.h"
+#include "gemm_blocking.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -148,34 +152,37 @@ void micro_kernel_rows(int rows, const float* x, int64_t ldx, const W* w, int64_
   }
 }
 
-// The blocking both kernels share: threads split the panels; per block of kBlock panels, K
-// in runs of kDepth (in order, so every chain continues where it stopped), rows of x in
-// groups of kGroup. tile(rows, m0, k0, depth, p) computes one group against one panel's run.
-template <int64_t kBlock, int64_t kDepthRun, int kGroup, typename Tile>
-void for_each_tile(int64_t M, int64_t K, int64_t panels, const Tile& tile) {
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p0 = begin; p0 < end; p0 += kBlock) {
-      const int64_t p1 = std::min(end, p0 + kBlock);
-      for (int64_t k0 = 0; k0 < K; k0 += kDepthRun) {
-        const int64_t depth = std::min(kDepthRun, K - k0);
-        for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
-          const int rows = static_cast<int>(std::min<int64_t>(kGroup, M - m0));
-          for (int64_t p = p0; p < p1; ++p) tile(rows, m0, k0, depth, p);
-        }
-      }
+
+// A flush for for_each_tile: out [M, N] <- the chunk's sums, in out's dtype (float32 as is,
+// bfloat16 rounded to nearest even as c10::BFloat16 rounds).
+template <typename Out>
+auto write_to(Out* out, int64_t N) {
+  return [=](const float* c, int64_t ldc, int64_t m, int64_t rows, int64_t col0,
+             int64_t col1) {
+    using pagedserve_vec::kLanes;
+    const int64_t width = std::min(N, col1) - col0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* src = c + r * ldc;
+      Out* dst = out + (m + r) * N + col0;
+      int64_t j = 0;
+      for (; j + kLanes <= width; j += kLanes)
+        pagedserve_vec::storev(dst + j, pagedserve_vec::loadv(src + j));
+      for (; j < width; ++j) dst[j] = static_cast<Out>(src[j]);
     }
-  });
+  };
 }
 
-// c [M, panels * kPanel] = x [M, K] @ the packed panels.
-template <typename W>
-void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t panels, float* c) {
-  const int64_t ldc = panels * kPanel;
-  for_each_tile<kPanelsPerBlock, kDepth, kRows>(
-      M, K, panels, [&](int rows, int64_t m0, int64_t k0, int64_t depth, int64_t p) {
-        micro_kernel_rows(rows, x + m0 * K + k0, K, packed + (p * K + k0) * kPanel, depth,
-                          c + m0 * ldc + p * kPanel, ldc, k0 == 0);
-      });
+// out [M, N] = x [M, K] @ the packed panels (N <= panels * kPanel).
+template <typename W, typename Out>
+void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t panels, Out* out,
+          int64_t N) {
+  pagedserve_gemm::for_each_tile<float, kPanelsPerBlock, kDepth, kRows, kPanel>(
+      M, K, panels,
+      [&](int rows, int64_t m0, int64_t k0, int64_t depth, int64_t p, float* c, int64_t ldc) {
+        micro_kernel_rows(rows, x + m0 * K + k0, K, packed + (p * K + k0) * kPanel, depth, c,
+                          ldc, k0 == 0);
+      },
+      write_to(out, N));
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -219,15 +226,16 @@ void pair_kernel_rows(int rows, const int32_t* x, int64_t ldx, const int32_t* w,
   pair_kernel<R>(x, ldx, w, depth, c, ldc, first);
 }
 
-// c [M, panels * kPairPanel] = x [M, K2 pairs] @ the pair-packed panels; as gemm.
+// out [M, N] = x [M, K2 pairs] @ the pair-packed panels; as gemm.
 void gemm_pairs(const int32_t* x, int64_t M, int64_t K2, const int32_t* packed, int64_t panels,
-                float* c) {
-  const int64_t ldc = panels * kPairPanel;
-  for_each_tile<kPairPanelsPerBlock, kPairDepth, kPairRows>(
-      M, K2, panels, [&](int rows, int64_t m0, int64_t k0, int64_t depth, int64_t p) {
+                c10::BFloat16* out, int64_t N) {
+  pagedserve_gemm::for_each_tile<float, kPairPanelsPerBlock, kPairDepth, kPairRows, kPairPanel>(
+      M, K2, panels,
+      [&](int rows, int64_t m0, int64_t k0, int64_t depth, int64_t p, float* c, int64_t ldc) {
         pair_kernel_rows(rows, x + m0 * K2 + k0, K2, packed + (p * K2 + k0) * kPairPanel, depth,
-                         c + m0 * ldc + p * kPairPanel, ldc, k0 == 0);
-      });
+                         c, ldc, k0 == 0);
+      },
+      write_to(out, N));
 }
 #else
 constexpr bool kHasPairs = false;
@@ -303,14 +311,14 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK((K + 1) / 2 == K2 && N > (panels - 1) * kPairPanel && N <= panels * kPairPanel,
               "fixed_order_linear: x has K = ", K, " and N = ", N, "; packed is ",
               packed.sizes());
-  auto c = torch::empty({M, panels * kPairPanel}, x.options().dtype(at::kFloat));
+  auto out = torch::empty({M, N}, x.options());
   // An odd K reads a zero as the last pair's second half.
   const auto xp = K % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1}).contiguous();
   if (M > 0)
     gemm_pairs(reinterpret_cast<const int32_t*>(xp.data_ptr<c10::BFloat16>()), M, K2,
                reinterpret_cast<const int32_t*>(packed.data_ptr<c10::BFloat16>()), panels,
-               c.data_ptr<float>());
-  return c.narrow(1, 0, N).to(at::kBFloat16).contiguous();
+               out.data_ptr<c10::BFloat16>(), N);
+  return out;
 #else
   TORCH_CHECK(false, "fixed_order_linear: this CPU build has no AVX512-BF16 pair kernel");
   return x;
@@ -333,17 +341,19 @@ torch::Tensor fixed_order_linear(torch::Tensor x, torch::Tensor packed, int64_t 
               "fixed_order_linear: x has K = ", K, " and N = ", N, "; packed is ",
               packed.sizes());
   const auto xf = x.to(at::kFloat).contiguous();
-  const bool direct = x.scalar_type() == at::kFloat && N == panels * kPanel;
-  auto c = torch::empty({M, panels * kPanel}, x.options().dtype(at::kFloat));
-  if (M > 0) {
-    if (packed.scalar_type() == at::kFloat)
-      gemm(xf.data_ptr<float>(), M, K, packed.data_ptr<float>(), panels, c.data_ptr<float>());
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  auto run = [&](auto* w) {
+    if (x.scalar_type() == at::kFloat)
+      gemm(xf.data_ptr<float>(), M, K, w, panels, out.data_ptr<float>(), N);
     else
-      gemm(xf.data_ptr<float>(), M, K, packed.data_ptr<c10::BFloat16>(), panels,
-           c.data_ptr<float>());
-  }
-  if (direct) return c;
-  return c.narrow(1, 0, N).to(x.scalar_type()).contiguous();
+      gemm(xf.data_ptr<float>(), M, K, w, panels, out.data_ptr<c10::BFloat16>(), N);
+  };
+  if (packed.scalar_type() == at::kFloat)
+    run(packed.data_ptr<float>());
+  else
+    run(packed.data_ptr<c10::BFloat16>());
+  return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {

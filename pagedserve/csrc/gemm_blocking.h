@@ -1,0 +1,61 @@
+// The loop nest our batch-invariant GEMMs share (fixed_order_gemm_cpu.cpp: float32 FMA and
+// bfloat16 pair chains; int8_ops_cpu.cpp: int8 quad sums), after Goto & van de Geijn,
+// "Anatomy of High-Performance Matrix Multiplication" (2008). The weight is packed in
+// panels of kWidth output columns; a micro-kernel ("tile") keeps a group of kGroup rows x
+// one panel in registers over a run of kDepth steps of k. Every output element is one
+// chain over k in order whatever M is: the runs of a chain follow each other, and between
+// runs its partial sum waits in a per-thread buffer (exact: a store and a load).
+// (cpu_ops.py keys the build on this header too.)
+
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace pagedserve_gemm {
+
+// Rows of x whose partial sums a thread keeps between runs: [kChunkRows, kBlock * kWidth]
+// accumulators, 192 KiB for 256 columns. (Partial sums of all M rows at once, an [M, N]
+// float32 result of 128 MiB for 2,048 rows of a 1B model's gate/up, cost page faults on
+// every call, and rows N * 4 bytes apart share an L2 set where N * 4 is a multiple of 64 KiB:
+// 0.65-0.75 of oneDNN's rate at 512-2,048 rows there, 0.9-1.0 in chunks.)
+constexpr int64_t kChunkRows = 192;
+
+// Threads split the panels: no two threads share an output element (no split-K). Per block
+// of kBlock panels (their runs share x's runs in L2) and chunk of kChunkRows rows: K in
+// runs of kDepth, rows in groups of kGroup, then the chunk is finished.
+//   tile(rows, m, k0, depth, p, c, ldc): rows [m, m + rows) against panel p's run at k0,
+//       into c (accumulators of the group's first row and the panel's first column, rows
+//       ldc apart; the run at k0 == 0 starts the chains);
+//   flush(c, ldc, m, rows, col0, col1): the chunk's rows [m, m + rows) are final for
+//       columns [col0, col1) (c holds column col0 first).
+template <typename Acc, int64_t kBlock, int64_t kDepth, int kGroup, int64_t kWidth,
+          typename Tile, typename Flush>
+void for_each_tile(int64_t M, int64_t K, int64_t panels, const Tile& tile, const Flush& flush) {
+  constexpr int64_t ldc = kBlock * kWidth;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<Acc> buffer;  // reused by every call on this thread
+    buffer.resize(std::max<int64_t>(buffer.size(), std::min(M, kChunkRows) * ldc));
+    Acc* c = buffer.data();
+    for (int64_t p0 = begin; p0 < end; p0 += kBlock) {
+      const int64_t p1 = std::min(end, p0 + kBlock);
+      for (int64_t m_chunk = 0; m_chunk < M; m_chunk += kChunkRows) {
+        const int64_t chunk = std::min(kChunkRows, M - m_chunk);
+        for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
+          const int64_t depth = std::min(kDepth, K - k0);
+          for (int64_t m0 = 0; m0 < chunk; m0 += kGroup) {
+            const int rows = static_cast<int>(std::min<int64_t>(kGroup, chunk - m0));
+            for (int64_t p = p0; p < p1; ++p)
+              tile(rows, m_chunk + m0, k0, depth, p, c + m0 * ldc + (p - p0) * kWidth, ldc);
+          }
+        }
+        flush(static_cast<const Acc*>(c), ldc, m_chunk, chunk, p0 * kWidth, p1 * kWidth);
+      }
+    }
+  });
+}
+
+}  // namespace pagedserve_gemm
