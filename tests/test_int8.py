@@ -65,6 +65,28 @@ def test_cpu_kernels_equal_the_pytorch_ops_bit_for_bit(monkeypatch, dtype, with_
     assert q[5, :4].tolist() == [0, 2, -2, 127]
 
 
+@pytest.mark.skipif(not load_cpu_ops().packed_int8_available(), reason="no AVX512-VNNI here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 96), (37, 50, 97), (200, 130, 2048), (450, 700, 576)])
+def test_packed_product_equals_int_mm_bit_for_bit(dtype, m, n, k):
+    """Our vpdpbusd product on the packed weight (csrc/int8_ops_cpu.cpp) sums the same
+    int32s as torch._int_mm, so gives the same bits: any M (chunks of 192 rows), N (tails
+    of a 64-column panel), K (tails of a quad), a bias, and rows and weight rows of one
+    sign (the largest sums: x + 128 as u8 must not overflow)."""
+    gen = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    x[0], w[0] = x[0].abs(), -w[0].abs()
+    bias = torch.randn(n, generator=gen).to(dtype)
+    q = quantize_weight(w)
+    plain = Int8Weight(q.qweight, q.scale)
+    packed = Int8Weight(q.qweight, q.scale, load_cpu_ops().pack_int8_weight(q.qweight))
+    x = x.to(dtype)
+    assert torch.equal(int8_linear(x, packed, bias), int8_linear(x, plain, bias))
+    assert torch.equal(int8_linear(x, packed), int8_linear(x, plain))
+    with pytest.raises(RuntimeError, match="x has K = 3"):
+        int8_linear(x[:, :3], packed)
+
+
 def test_a_row_result_does_not_depend_on_other_rows():
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(6, 64, generator=gen), torch.randn(48, 64, generator=gen)

@@ -9,8 +9,8 @@
 //   h += paged_attention(q, cache) @ Wo^T
 //   x = rms_norm(h); gate, up = split(x @ Wgate_up^T); h += (silu(gate) * up) @ Wdown^T
 // Each projection W as its quantization method holds it (LinearWeight.fused_kernel, in
-// pagedserve/quantization/): GGUF blocks (ggml_mul_mat_a8),
-// int8 rows (int8_linear: per-token quantization, torch._int_mm, scales), or a float weight
+// pagedserve/quantization/): GGUF blocks (ggml_mul_mat_a8), int8 rows (int8_linear:
+// per-token quantization, torch._int_mm or our packed product, scales), or a float weight
 // (fixed_order_linear on its packed copy, else F.linear); any float dtype. With LoRA
 // adapters (pagedserve/lora/), each projection then adds its rows' LoRA terms (lora_add),
 // as LoRAWeight.apply does.
@@ -37,6 +37,8 @@ torch::Tensor fixed_order_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 torch::Tensor int8_scaled_mm_epilogue(torch::Tensor acc, torch::Tensor x_scale,
                                       torch::Tensor w_scale, std::optional<torch::Tensor> bias,
                                       at::ScalarType dtype);
+torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale,
+                                 std::optional<torch::Tensor> bias, int64_t N);
 void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor slots, torch::Tensor A,
               torch::Tensor Bt, torch::Tensor ranks, torch::Tensor shard_cols);
 
@@ -48,11 +50,12 @@ constexpr int64_t kTensorsPerLayer = 10;
 constexpr int64_t kInt8 = -1, kFloat = -2;
 
 // x [T, K] @ W^T as the layer's method (apply) computes it. a, b: GGUF blocks and an empty
-// tensor; int8 rows [N, K] and their float32 scales [N]; a float weight [N, K] and its
-// packed copy for fixed_order_linear (empty if none).
+// tensor; int8 rows [N, K] (or their packed copy, 4-D) and their float32 scales [N]; a float
+// weight [N, K] and its packed copy for fixed_order_linear (empty if none).
 torch::Tensor project(const torch::Tensor& a, const torch::Tensor& b, int64_t kind,
                       const torch::Tensor& x) {
   if (kind == kInt8) {
+    if (a.dim() == 4) return int8_packed_linear(x, a, b, std::nullopt, b.numel());
     auto [q, scale] = quantize_rows_int8(x);
     return int8_scaled_mm_epilogue(at::_int_mm(q, a.t()), scale, b, std::nullopt,
                                    x.scalar_type());

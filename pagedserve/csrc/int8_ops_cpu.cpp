@@ -1,15 +1,19 @@
-// The element-wise halves of the int8 W8A8 linear (pagedserve/quantization/int8.py), each one
-// pass over its rows instead of the 4-5 PyTorch ops (and temporaries) of the Python code,
-// which they must equal bit for bit: at a decode step those ops cost more in dispatch
-// than in arithmetic.
+// The int8 W8A8 linear (pagedserve/quantization/int8.py) on CPU: its element-wise halves,
+// each one pass over its rows instead of the 4-5 PyTorch ops (and temporaries) of the
+// Python code, which they must equal bit for bit (at a decode step those ops cost more in
+// dispatch than in arithmetic), and, on CPUs with AVX512-VNNI, the product itself.
 //
 //   quantize_rows_int8(x [R, K]) -> (q int8 [R, K], scale float32 [R, 1])
 //       scale = max|x| / 127, q = round_half_even(x * (1 / max(max|x|, FLT_MIN) * 127))
 //   int8_scaled_mm_epilogue(acc int32 [M, N], x_scale [M, 1], w_scale [N], bias?, dtype)
 //       out = ((float(acc) * x_scale[m]) * w_scale[n] + bias[n]) cast to dtype
+//   int8_packed_linear(x, packed, w_scale, bias?, N): the three in one, the int32 product
+//       acc = q @ W^T summed by vpdpbusd on the weight packed by pack_int8_weight.
 //
-// The operations and their order are the Python code's, in float32; fast-math is off for
-// this file's functions (and no fused multiply-add) so the compiler keeps that order.
+// The float operations and their order are the Python code's, in float32; fast-math is off
+// for those functions (and no fused multiply-add) so the compiler keeps that order. The
+// product is an integer sum, exact in any order: the packed product gives torch._int_mm's
+// int32 result, hence the same bits, and a row's bits never depend on the other rows.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -18,6 +22,12 @@
 #include <cfloat>
 #include <cmath>
 #include <tuple>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "gemm_blocking.h"
 
 #define PRECISE __attribute__((optimize("no-fast-math", "fp-contract=off")))
 
@@ -83,6 +93,58 @@ PRECISE void epilogue_row(const int32_t* acc, float xs, const float* ws, const b
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+constexpr bool kHasPackedInt8 = true;
+// vpdpbusd adds four u8 x s8 products to each int32 lane. The weight is packed
+// [ceil(N / 64)][ceil(K / 4) + 1][64][4] int8: per panel of 64 output columns, k in quads
+// (a quad of one column is one 32-bit lane; zero past N and K), then one row of 64 int32
+// corrections, 128 * sum_k W[n, k]. x's int8 rows are read as u8, x + 128 in [1, 255]
+// (an exclusive or with 0x80), so acc - 128 * sum_k W[n, k] is the sum of x * W exactly
+// (|acc| <= 255 * 127 * K < 2^31 for K < 66,000).
+constexpr int kQuadVectors = 4;                    // vectors of 16 columns a panel
+constexpr int64_t kQuadPanel = 16 * kQuadVectors;  // output columns per panel
+constexpr int kQuadRows = 6;                       // rows of x per micro-kernel call
+constexpr int64_t kQuadDepth = 256;                // k-quads per run: a row's run is 1 KiB
+constexpr int64_t kQuadPanelsPerBlock = 4;         // panels sharing x's runs (L2)
+
+// c[r, 0:kQuadPanel] (ldc apart) for r < R continued over `depth` k-quads: x (u8 quads, ldx
+// apart) against one panel's run w [depth][kQuadPanel]; `first` starts the sums at zero.
+template <int R>
+inline void quad_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
+                        int32_t* c, int64_t ldc, bool first) {
+  // __v16si, not __m512i (64-bit lanes): with __m512i accumulators GCC 12 spills them to
+  // the stack inside the loop (3x slower).
+  __v16si acc[R][kQuadVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kQuadVectors; ++v)
+      acc[r][v] = (__v16si)(first ? _mm512_setzero_si512()
+                                  : _mm512_loadu_si512(c + r * ldc + 16 * v));
+  for (int64_t k = 0; k < depth; ++k) {
+    __m512i wv[kQuadVectors];
+    for (int v = 0; v < kQuadVectors; ++v) wv[v] = _mm512_loadu_si512(w + k * kQuadPanel + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(x[r * ldx + k]);
+      for (int v = 0; v < kQuadVectors; ++v)
+        acc[r][v] = (__v16si)_mm512_dpbusd_epi32((__m512i)acc[r][v], a, wv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kQuadVectors; ++v)
+      _mm512_storeu_si512(c + r * ldc + 16 * v, (__m512i)acc[r][v]);
+}
+
+template <int R = kQuadRows>
+void quad_kernel_rows(int rows, const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
+                      int32_t* c, int64_t ldc, bool first) {
+  if constexpr (R > 1) {
+    if (rows < R) return quad_kernel_rows<R - 1>(rows, x, ldx, w, depth, c, ldc, first);
+  }
+  quad_kernel<R>(x, ldx, w, depth, c, ldc, first);
+}
+#else
+constexpr bool kHasPackedInt8 = false;
+#endif
+
 }  // namespace
 
 // x: float32 / bfloat16 / float16 [R, K], rows contiguous. Raises on another dtype or shape.
@@ -137,7 +199,109 @@ torch::Tensor int8_scaled_mm_epilogue(torch::Tensor acc, torch::Tensor x_scale,
   return out;
 }
 
+// Whether this build has the packed int8 product (AVX512-VNNI).
+bool packed_int8_available() { return kHasPackedInt8; }
+
+// qweight int8 [N, K] -> int8 [ceil(N / 64), ceil(K / 4) + 1, 64, 4], the layout above.
+// Raises (RuntimeError) without AVX512-VNNI or on another dtype or shape.
+torch::Tensor pack_int8_weight(torch::Tensor qweight) {
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2,
+              "pack_int8_weight: qweight must be an int8 [N, K]");
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  const int64_t panels = (N + kQuadPanel - 1) / kQuadPanel, K4 = (K + 3) / 4;
+  const auto source = at::constant_pad_nd(qweight, {0, K4 * 4 - K}).contiguous();
+  const auto corrections = source.sum(1, /*keepdim=*/false, at::kInt).mul_(128);
+  auto packed = torch::zeros({panels, K4 + 1, kQuadPanel, 4}, qweight.options());
+  const auto* src = reinterpret_cast<const int32_t*>(source.data_ptr<int8_t>());
+  const int32_t* sums = corrections.data_ptr<int32_t>();
+  auto* dst = reinterpret_cast<int32_t*>(packed.data_ptr<int8_t>());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < std::min(kQuadPanel, N - p * kQuadPanel); ++j) {
+        const int64_t n = p * kQuadPanel + j;
+        int32_t* column = dst + p * (K4 + 1) * kQuadPanel + j;
+        for (int64_t k = 0; k < K4; ++k) column[k * kQuadPanel] = src[n * K4 + k];
+        column[K4 * kQuadPanel] = sums[n];
+      }
+  });
+  return packed;
+#else
+  TORCH_CHECK(false, "pack_int8_weight: this CPU build has no AVX512-VNNI");
+  return qweight;
+#endif
+}
+
+// x [M, K] float32 / bfloat16 / float16 @ the int8 weight packed by pack_int8_weight
+// (N rows, float32 scales w_scale [N]) + bias -> [M, N] in x's dtype: bit for bit
+// int8_scaled_mm_epilogue(torch._int_mm(*quantize_rows_int8(x)...)). Raises (RuntimeError)
+// on mismatched shapes or without AVX512-VNNI.
+torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale,
+                                 std::optional<torch::Tensor> bias, int64_t N) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kChar && packed.dim() == 4 &&
+                  packed.size(2) == kQuadPanel && packed.size(3) == 4 && packed.is_contiguous(),
+              "int8_packed_linear: x must be [M, K] and packed [panels, K/4 + 1, 64, 4]");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), K4 = packed.size(1) - 1;
+  TORCH_CHECK((K + 3) / 4 == K4 && N > (panels - 1) * kQuadPanel && N <= panels * kQuadPanel &&
+                  w_scale.scalar_type() == at::kFloat && w_scale.numel() == N,
+              "int8_packed_linear: x has K = ", K, " and N = ", N, "; packed is ",
+              packed.sizes());
+  auto [q, x_scale] = quantize_rows_int8(x);
+  // x + 128 as u8, K padded to whole quads with zeros (they meet zero weights)
+  auto xu = at::constant_pad_nd(q.bitwise_xor(-128), {0, K4 * 4 - K}).contiguous();
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const auto ws = w_scale.contiguous();
+  const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  TORCH_CHECK(!b.defined() || b.numel() == N, "int8_packed_linear: bias of N elements");
+  const auto* xp = reinterpret_cast<const int32_t*>(xu.data_ptr<int8_t>());
+  const auto* wp = reinterpret_cast<const int32_t*>(packed.data_ptr<int8_t>());
+  const float* xs = x_scale.data_ptr<float>();
+  const float* wsp = ws.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_out", [&] {
+    using out_t = scalar_t;
+    out_t* op = out.data_ptr<out_t>();
+    const at::ScalarType bias_type = b.defined() ? b.scalar_type() : x.scalar_type();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, bias_type, "bias", [&] {
+      const scalar_t* bp = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
+      // the chunk's sums less the corrections, then the epilogue, row by row
+      auto flush = [&](const int32_t* c, int64_t ldc, int64_t m, int64_t rows, int64_t col0,
+                       int64_t col1) {
+        const int64_t width = std::min(N, col1) - col0;
+        const int64_t p0 = col0 / kQuadPanel;
+        int32_t exact[kQuadPanel * kQuadPanelsPerBlock];
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < width; ++j) {
+            const int64_t p = p0 + j / kQuadPanel;
+            exact[j] = c[r * ldc + j] - wp[(p * (K4 + 1) + K4) * kQuadPanel + j % kQuadPanel];
+          }
+          epilogue_row(exact, xs[m + r], wsp + col0, bp == nullptr ? nullptr : bp + col0, width,
+                       op + (m + r) * N + col0);
+        }
+      };
+      pagedserve_gemm::for_each_tile<int32_t, kQuadPanelsPerBlock, kQuadDepth, kQuadRows,
+                                     kQuadPanel>(
+          M, K4, panels,
+          [&](int rows, int64_t m0, int64_t k0, int64_t depth, int64_t p, int32_t* c,
+              int64_t ldc) {
+            quad_kernel_rows(rows, xp + m0 * K4 + k0, K4, wp + (p * (K4 + 1) + k0) * kQuadPanel,
+                             depth, c, ldc, k0 == 0);
+          },
+          flush);
+    });
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "int8_packed_linear: this CPU build has no AVX512-VNNI");
+  return x;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("quantize_rows_int8", &quantize_rows_int8);
   m.def("int8_scaled_mm_epilogue", &int8_scaled_mm_epilogue);
+  m.def("packed_int8_available", &packed_int8_available);
+  m.def("pack_int8_weight", &pack_int8_weight);
+  m.def("int8_packed_linear", &int8_packed_linear);
 }

@@ -12,7 +12,10 @@ Symmetric W8A8 quantization as in SmoothQuant (whose smoothing is ``smoothquant.
 
 The weight stays ``[N, K]`` and is passed transposed: ``_int_mm`` was as fast or faster
 with it than with a contiguous ``[K, N]`` copy at M = 1..256 on SmolLM2's shapes
-(``benchmarks/README.md``). The float weight is dropped: a ``Linear`` holds the int8 rows as
+(``benchmarks/README.md``). On CPUs with AVX512-VNNI our own product (``vpdpbusd`` on a
+packed copy, ``csrc/int8_ops_cpu.cpp``) sums the same int32s, so gives the same bits; each
+weight shape runs whichever ``kernel_choice.int8_kernel`` timed faster. The float weight is
+dropped: a ``Linear`` holds the int8 rows as
 its ``weight`` (int8 parameter, so memory accounting sees 1 byte per weight) and the pair as
 its ``method`` (``Int8Weight``). A tied LM head keeps the float embedding (the token lookup
 needs it) and gets an int8 copy. Layers named in ``quantize_model``'s ``skip`` stay in float.
@@ -26,8 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedserve.cpu_ops import cpu_layer_ops
+from pagedserve.cpu_ops import cpu_layer_ops, cpu_ops_available, load_cpu_ops
 from pagedserve.quantization.base import KIND_INT8, Linear, LoadContext, QuantizationMethod, linears
+from pagedserve.quantization.kernel_choice import int8_kernel
 from pagedserve.quantization.none import float_weight
 from pagedserve.quantization.smoothquant import calibration_token_ids, smooth_model, smoothable
 
@@ -44,16 +48,19 @@ _TINY = torch.finfo(torch.float32).tiny
 @dataclass(frozen=True)
 class Int8Weight:
     """A weight ``[N, K]`` as int8 ``qweight [N, K]`` and float32 ``scale [N]`` (one per
-    output row): ``weight ~= qweight * scale[:, None]``, off by at most ``scale / 2``."""
+    output row): ``weight ~= qweight * scale[:, None]``, off by at most ``scale / 2``;
+    ``packed``: qweight packed by ``pack_int8_weight`` (``[ceil(N / 64), ceil(K / 4) + 1,
+    64, 4]`` int8) where the packed product runs, else None."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
+    packed: torch.Tensor | None = None
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self, layer.bias)
 
     def fused_kernel(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.qweight, self.scale, KIND_INT8
+        return (self.qweight if self.packed is None else self.packed), self.scale, KIND_INT8
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,19 +75,27 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_weight(weight: torch.Tensor) -> Int8Weight:
-    """``weight [N, K]`` (float) -> ``Int8Weight`` with one scale per output row."""
+    """``weight [N, K]`` (float) -> ``Int8Weight`` with one scale per output row, packed
+    where the packed product is the faster here."""
     q, scale = quantize_rows(weight)
-    return Int8Weight(q, scale.view(-1))
+    packed = None
+    if q.device.type == "cpu" and cpu_ops_available() and int8_kernel(*q.shape) == "packed":
+        packed = load_cpu_ops().pack_int8_weight(q)
+    return Int8Weight(q, scale.view(-1), packed)
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight.T (+ bias) -> [..., N]`` in x's dtype, with ``x`` quantized per
     row (token) by ``quantize_rows`` and the product summed in int32 by ``torch._int_mm``.
-    On CPU the quantization and the scaling run as two C++ passes with the same result."""
+    On CPU the quantization and the scaling run as two C++ passes with the same result, or
+    with a packed weight all three in one call."""
     rows = x.numel() // x.shape[-1]
     x2d = x.reshape(rows, -1)
     ops = cpu_layer_ops(x)
+    if ops is not None and weight.packed is not None:
+        out = ops.int8_packed_linear(x2d, weight.packed, weight.scale, bias, weight.scale.numel())
+        return out.view(*x.shape[:-1], -1)
     if ops is not None:  # the same arithmetic in one C++ pass each (csrc/int8_ops_cpu.cpp)
         q, scale = ops.quantize_rows_int8(x2d)
         acc = torch._int_mm(q, weight.qweight.t())

@@ -1,5 +1,5 @@
-"""Which of our batch-invariant kernels a bfloat16 weight runs on this CPU: timed once at
-load on the model's own shapes, then kept.
+"""Which of our batch-invariant kernels a bfloat16 or int8 weight runs on this CPU: timed
+once at load on the model's own shapes, then kept.
 
 Our fixed-order GEMM (``csrc/fixed_order_gemm_cpu.cpp``) holds a bfloat16 weight in one of
 two layouts, each batch-invariant by construction (a row's bits never depend on the rows
@@ -15,6 +15,11 @@ The two layouts give different bits, so a machine must make the same choice on e
 start: each weight shape is timed once (a few ms to a second), the winner is written to
 ``cache_dir()/kernel_choice.json`` under this CPU's model, flags, torch version and thread
 count, and later starts read it (a noisy timing decides once, it never flips).
+
+An int8 weight (``int8.py``) has two products with the same bits (an int32 sum is exact in
+any order), so its choice is speed alone: ``torch._int_mm`` (oneDNN) on the rows as they
+are, or ``packed`` (CPUs with AVX512-VNNI: ``vpdpbusd`` on the weight packed by
+``pack_int8_weight``, ``csrc/int8_ops_cpu.cpp``).
 """
 
 from __future__ import annotations
@@ -95,21 +100,54 @@ def _time_layouts(weight: torch.Tensor) -> dict[str, float]:
     return times
 
 
+def _time_int8(qweight: torch.Tensor) -> dict[str, float]:
+    """Seconds per int8 product (``int8.int8_linear``'s two routes), as ``_time_layouts``."""
+    from pagedserve.quantization.int8 import Int8Weight, int8_linear
+
+    ops, scale = load_cpu_ops(), torch.ones(qweight.shape[0])
+    weights = {"int_mm": Int8Weight(qweight, scale),
+               "packed": Int8Weight(qweight, scale, ops.pack_int8_weight(qweight))}
+    gen = torch.Generator().manual_seed(0)
+    times = dict.fromkeys(weights, 0.0)
+    for rows in _TIMED_ROWS:
+        x = torch.randn(rows, qweight.shape[1], generator=gen)
+        for name, w in weights.items():
+            times[name] += _seconds(lambda x, w=w: int8_linear(x, w), x)
+    return times
+
+
+def _choose(what: str, shape: str, time_candidates) -> str:
+    """The cached choice for ``shape`` on this machine, else the fastest of
+    ``time_candidates()`` (seconds by name), cached; ``what`` names the weights in the log."""
+    key = machine_key()
+    if (choice := _read_cache().get(key, {}).get(shape)) is not None:
+        return choice
+    times = time_candidates()
+    # Another process (a tensor-parallel rank) may have chosen meanwhile: its choice stands.
+    cache = _read_cache()
+    choice = cache.setdefault(key, {}).setdefault(shape, min(times, key=times.get))
+    logger.info("%s weights: %s kernel (%s at %s rows; kept in %s)", what, choice,
+                ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items()),
+                "+".join(map(str, _TIMED_ROWS)), _cache_file())
+    _write_cache(cache)
+    return choice
+
+
 @functools.cache
 def bf16_layout(n: int, k: int) -> str:
     """``"pairs"`` or ``"fma"``: the layout a bfloat16 weight ``[n, k]`` is packed in here
     (always ``"fma"`` where the pair kernel is not built)."""
     if not load_cpu_ops().pair_linear_available():
         return "fma"
-    key, shape = machine_key(), f"{n}x{k}"
-    if (choice := _read_cache().get(key, {}).get(shape)) in ("fma", "pairs"):
-        return choice
-    times = _time_layouts(torch.randn(min(n, _TIMED_COLUMNS), k, dtype=torch.bfloat16))
-    # Another process (a tensor-parallel rank) may have chosen meanwhile: its choice stands.
-    cache = _read_cache()
-    choice = cache.setdefault(key, {}).setdefault(shape, min(times, key=times.get))
-    logger.info("bfloat16 [%d, %d] weights: %s kernel (pairs %.2f ms, fma %.2f ms at %s rows; "
-                "kept in %s)", n, k, choice, times["pairs"] * 1e3, times["fma"] * 1e3,
-                "+".join(map(str, _TIMED_ROWS)), _cache_file())
-    _write_cache(cache)
-    return choice
+    weight = lambda: torch.randn(min(n, _TIMED_COLUMNS), k, dtype=torch.bfloat16)
+    return _choose(f"bfloat16 [{n}, {k}]", f"{n}x{k}", lambda: _time_layouts(weight()))
+
+
+@functools.cache
+def int8_kernel(n: int, k: int) -> str:
+    """``"packed"`` or ``"int_mm"``: the product an int8 weight ``[n, k]`` runs here (always
+    ``"int_mm"`` where the packed kernel is not built)."""
+    if not load_cpu_ops().packed_int8_available():
+        return "int_mm"
+    weight = lambda: torch.randint(-127, 128, (min(n, _TIMED_COLUMNS), k), dtype=torch.int8)
+    return _choose(f"int8 [{n}, {k}]", f"int8 {n}x{k}", lambda: _time_int8(weight()))
