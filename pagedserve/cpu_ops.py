@@ -25,6 +25,16 @@ _HEADERS = sorted(_CSRC.glob("*.h"))  # included by the sources: part of the bui
 
 
 @functools.cache
+def sources_digest() -> str:
+    """A digest of the kernels' sources (``csrc/*.cpp`` and ``*.h``), 12 hex digits: what
+    a cached kernel timing (``quantization/kernel_choice.py``) was measured on."""
+    digest = hashlib.sha256()
+    for source in _SOURCES + _HEADERS:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@functools.cache
 def load_cpu_ops():
     """Compile (first time) and load the kernels; returns ``torch.ops.pagedserve``.
     Raises RuntimeError/OSError if the toolchain is missing."""
@@ -34,8 +44,7 @@ def load_cpu_ops():
     # moved, so two checkouts sharing one name would rebuild each other's kernels.
     digest = hashlib.sha256(" ".join(sorted(cpu_flags())).encode())
     digest.update(str(Path(__file__).parent.resolve()).encode())
-    for source in _SOURCES + _HEADERS:
-        digest.update(source.read_bytes())
+    digest.update(sources_digest().encode())
     load(
         name=f"pagedserve_cpu_ops_{digest.hexdigest()[:12]}",
         sources=[str(s) for s in _SOURCES],

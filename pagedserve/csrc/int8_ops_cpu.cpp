@@ -247,11 +247,25 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
                   w_scale.scalar_type() == at::kFloat && w_scale.numel() == N,
               "int8_packed_linear: x has K = ", K, " and N = ", N, "; packed is ",
               packed.sizes());
-  auto [q, x_scale] = quantize_rows_int8(x);
-  // x + 128 as u8, K padded to whole quads with zeros (they meet zero weights)
-  auto xu = at::constant_pad_nd(q.bitwise_xor(-128), {0, K4 * 4 - K}).contiguous();
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
+  // x quantized as quantize_rows_int8 does, then read as u8 (x + 128); K padded to whole
+  // quads (the padding meets zero weights)
+  const auto xc = x.contiguous();
+  auto xu = torch::empty({M, K4 * 4}, x.options().dtype(at::kChar));
+  auto x_scale = torch::empty({M}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize", [&] {
+    const scalar_t* src = xc.data_ptr<scalar_t>();
+    int8_t* qp = xu.data_ptr<int8_t>();
+    at::parallel_for(0, M, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        int8_t* row = qp + m * K4 * 4;
+        quantize_row(src + m * K, K, row, x_scale.data_ptr<float>() + m);
+        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<int8_t>(row[k] ^ 0x80);
+        std::fill(row + K, row + K4 * 4, 0);
+      }
+    });
+  });
   const auto ws = w_scale.contiguous();
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "int8_packed_linear: bias of N elements");
@@ -269,12 +283,13 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
       auto flush = [&](const int32_t* c, int64_t ldc, int64_t m, int64_t rows, int64_t col0,
                        int64_t col1) {
         const int64_t width = std::min(N, col1) - col0;
-        const int64_t p0 = col0 / kQuadPanel;
         int32_t exact[kQuadPanel * kQuadPanelsPerBlock];
         for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t j = 0; j < width; ++j) {
-            const int64_t p = p0 + j / kQuadPanel;
-            exact[j] = c[r * ldc + j] - wp[(p * (K4 + 1) + K4) * kQuadPanel + j % kQuadPanel];
+          for (int64_t j0 = 0; j0 < width; j0 += kQuadPanel) {
+            const int64_t p = (col0 + j0) / kQuadPanel;
+            const int32_t* corrections = wp + (p * (K4 + 1) + K4) * kQuadPanel;
+            for (int64_t j = 0; j < std::min(kQuadPanel, width - j0); ++j)
+              exact[j0 + j] = c[r * ldc + j0 + j] - corrections[j];
           }
           epilogue_row(exact, xs[m + r], wsp + col0, bp == nullptr ? nullptr : bp + col0, width,
                        op + (m + r) * N + col0);

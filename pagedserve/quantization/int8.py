@@ -50,9 +50,10 @@ class Int8Weight:
     """A weight ``[N, K]`` as int8 ``qweight [N, K]`` and float32 ``scale [N]`` (one per
     output row): ``weight ~= qweight * scale[:, None]``, off by at most ``scale / 2``;
     ``packed``: qweight packed by ``pack_int8_weight`` (``[ceil(N / 64), ceil(K / 4) + 1,
-    64, 4]`` int8) where the packed product runs, else None."""
+    64, 4]`` int8) where the packed product runs, else None. A model's layers keep only
+    one of the two (``quantize_model``): qweight is None beside a packed copy."""
 
-    qweight: torch.Tensor
+    qweight: torch.Tensor | None
     scale: torch.Tensor
     packed: torch.Tensor | None = None
 
@@ -111,13 +112,20 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight,
 def quantize_model(model: nn.Module, lm_head: bool = True,
                    skip: tuple[str, ...] = FLOAT_LAYERS) -> int:
     """Replace the weight of every ``Linear`` of ``model`` whose name does not end in one
-    of ``skip`` by its int8 rows (the LM head only if ``lm_head``; a tied one gets its own
-    int8 copy, the embedding keeps its float table). Returns the number quantized."""
+    of ``skip`` by its int8 rows, or their packed copy (the LM head only if ``lm_head``; a
+    tied one gets its own int8 copy, the embedding keeps its float table). Returns the
+    number quantized (layers already int8 are left as they are)."""
     count = 0
     for name, layer in linears(model):
+        if isinstance(layer.method, Int8Weight):  # quantized by an earlier call
+            continue
         if name.split(".")[-1] not in skip and (lm_head or name != "lm_head"):
-            layer.method = quantize_weight(layer.weight.detach())
-            layer.weight = nn.Parameter(layer.method.qweight, requires_grad=False)
+            method = quantize_weight(layer.weight.detach())
+            if method.packed is not None:  # the rows' bytes held once, as the packed copy
+                method = Int8Weight(None, method.scale, method.packed)
+            layer.method = method
+            layer.weight = nn.Parameter(method.qweight if method.packed is None else method.packed,
+                                        requires_grad=False)
             count += 1
     return count
 

@@ -13,8 +13,9 @@ Libraries (MKL, oneDNN) are not candidates: they pick summation orders by the ro
 (``benchmarks/packed_gemm.py`` measures them as the peak our kernels are held against).
 The two layouts give different bits, so a machine must make the same choice on every
 start: each weight shape is timed once (a few ms to a second), the winner is written to
-``cache_dir()/kernel_choice.json`` under this CPU's model, flags, torch version and thread
-count, and later starts read it (a noisy timing decides once, it never flips).
+``cache_dir()/kernel_choice.json`` under this CPU's model, flags, torch version, thread
+count and kernel sources, and later starts read it (a noisy timing decides once, it never
+flips while the code stays the same).
 
 An int8 weight (``int8.py``) has two products with the same bits (an int32 sum is exact in
 any order), so its choice is speed alone: ``torch._int_mm`` (oneDNN) on the rows as they
@@ -35,7 +36,7 @@ import time
 import torch
 
 from pagedserve.config import cpu_flags, cpu_model
-from pagedserve.cpu_ops import load_cpu_ops
+from pagedserve.cpu_ops import load_cpu_ops, sources_digest
 from pagedserve.tokenizer import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,11 @@ _TIMED_COLUMNS = 4096
 
 
 def machine_key() -> str:
-    """What a cached choice is valid for: CPU model, flags, torch version, threads."""
+    """What a cached choice is valid for: CPU model, flags, torch version, threads, and
+    the kernels' sources (a changed kernel is timed again)."""
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
     return f"{cpu_model()} | flags {flags} | torch {torch.__version__} | " \
-           f"{torch.get_num_threads()} threads"
+           f"{torch.get_num_threads()} threads | kernels {sources_digest()}"
 
 
 def _cache_file():
