@@ -100,12 +100,13 @@ constexpr bool kHasPackedInt8 = true;
 // (a quad of one column is one 32-bit lane; zero past N and K), then one row of 64 int32
 // corrections, 128 * sum_k W[n, k]. x's int8 rows are read as u8, x + 128 in [1, 255]
 // (an exclusive or with 0x80), so acc - 128 * sum_k W[n, k] is the sum of x * W exactly
-// (|acc| <= 255 * 127 * K < 2^31 for K < 66,000).
+// (|acc| <= 255 * 127 * K < 2^31 for K <= kMaxPackedK).
 constexpr int kQuadVectors = 4;                    // vectors of 16 columns a panel
 constexpr int64_t kQuadPanel = 16 * kQuadVectors;  // output columns per panel
 constexpr int kQuadRows = 6;                       // rows of x per micro-kernel call
 constexpr int64_t kQuadDepth = 256;                // k-quads per run: a row's run is 1 KiB
 constexpr int64_t kQuadPanelsPerBlock = 4;         // panels sharing x's runs (L2)
+constexpr int64_t kMaxPackedK = 65536;             // int8.py's PACKED_MAX_K
 
 // c[r, 0:kQuadPanel] (ldc apart) for r < R continued over `depth` k-quads: x (u8 quads, ldx
 // apart) against one panel's run w [depth][kQuadPanel]; `first` starts the sums at zero.
@@ -209,6 +210,8 @@ torch::Tensor pack_int8_weight(torch::Tensor qweight) {
               "pack_int8_weight: qweight must be an int8 [N, K]");
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   const int64_t N = qweight.size(0), K = qweight.size(1);
+  TORCH_CHECK(K <= kMaxPackedK, "pack_int8_weight: K = ", K, " > ", kMaxPackedK,
+              " could overflow the int32 sums");
   const int64_t panels = (N + kQuadPanel - 1) / kQuadPanel, K4 = (K + 3) / 4;
   const auto source = at::constant_pad_nd(qweight, {0, K4 * 4 - K}).contiguous();
   const auto corrections = source.sum(1, /*keepdim=*/false, at::kInt).mul_(128);

@@ -42,6 +42,9 @@ from pagedserve.quantization.smoothquant import calibration_token_ids, smooth_mo
 # every Linear in int8 costs +0.94%.
 FLOAT_LAYERS = ("down_proj",)
 _QMAX = 127.0
+# The packed product sums (x + 128) * w in int32: at most 255 * 127 * K, below 2**31 up to
+# K = 66,310 (csrc/int8_ops_cpu.cpp); a longer K stays on torch._int_mm.
+PACKED_MAX_K = 65536
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -80,7 +83,8 @@ def quantize_weight(weight: torch.Tensor) -> Int8Weight:
     where the packed product is the faster here."""
     q, scale = quantize_rows(weight)
     packed = None
-    if q.device.type == "cpu" and cpu_ops_available() and int8_kernel(*q.shape) == "packed":
+    if (q.device.type == "cpu" and q.shape[1] <= PACKED_MAX_K and cpu_ops_available()
+            and int8_kernel(*q.shape) == "packed"):
         packed = load_cpu_ops().pack_int8_weight(q)
     return Int8Weight(q, scale.view(-1), packed)
 
