@@ -103,18 +103,24 @@ def _time_layouts(weight: torch.Tensor) -> dict[str, float]:
 
 
 def _time_int8(qweight: torch.Tensor) -> dict[str, float]:
-    """Seconds per int8 product (``int8.int8_linear``'s two routes), as ``_time_layouts``."""
-    from pagedserve.quantization.int8 import Int8Weight, int8_linear
+    """Seconds per int8 product (``int8.int8_linear``'s two routes on CPU: quantize,
+    ``torch._int_mm``, epilogue; or the packed product), as ``_time_layouts``."""
+    ops, n = load_cpu_ops(), qweight.shape[0]
+    scale, packed = torch.ones(n), ops.pack_int8_weight(qweight)
 
-    ops, scale = load_cpu_ops(), torch.ones(qweight.shape[0])
-    weights = {"int_mm": Int8Weight(qweight, scale),
-               "packed": Int8Weight(qweight, scale, ops.pack_int8_weight(qweight))}
+    def int_mm(x):
+        q, x_scale = ops.quantize_rows_int8(x)
+        return ops.int8_scaled_mm_epilogue(torch._int_mm(q, qweight.t()), x_scale, scale, None,
+                                           x.dtype)
+
+    routes = {"int_mm": int_mm,
+              "packed": lambda x: ops.int8_packed_linear(x, packed, scale, None, n)}
     gen = torch.Generator().manual_seed(0)
-    times = dict.fromkeys(weights, 0.0)
+    times = dict.fromkeys(routes, 0.0)
     for rows in _TIMED_ROWS:
         x = torch.randn(rows, qweight.shape[1], generator=gen)
-        for name, w in weights.items():
-            times[name] += _seconds(lambda x, w=w: int8_linear(x, w), x)
+        for name, multiply in routes.items():
+            times[name] += _seconds(multiply, x)
     return times
 
 
