@@ -219,15 +219,9 @@ torch::Tensor pack_int8_weight(torch::Tensor qweight) {
   const auto* src = reinterpret_cast<const int32_t*>(source.data_ptr<int8_t>());
   const int32_t* sums = corrections.data_ptr<int32_t>();
   auto* dst = reinterpret_cast<int32_t*>(packed.data_ptr<int8_t>());
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t j = 0; j < std::min(kQuadPanel, N - p * kQuadPanel); ++j) {
-        const int64_t n = p * kQuadPanel + j;
-        int32_t* column = dst + p * (K4 + 1) * kQuadPanel + j;
-        for (int64_t k = 0; k < K4; ++k) column[k * kQuadPanel] = src[n * K4 + k];
-        column[K4 * kQuadPanel] = sums[n];
-      }
-  });
+  pagedserve_gemm::gather_panels<kQuadPanel>(src, N, K4, (K4 + 1) * kQuadPanel, dst);
+  for (int64_t n = 0; n < N; ++n)  // each panel's last row: its columns' corrections
+    dst[(n / kQuadPanel * (K4 + 1) + K4) * kQuadPanel + n % kQuadPanel] = sums[n];
   return packed;
 #else
   TORCH_CHECK(false, "pack_int8_weight: this CPU build has no AVX512-VNNI");
