@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from test_batch_invariance import assert_rows_invariant
 
 from pagedserve.cpu_ops import cpu_ops_available, load_cpu_ops
-from pagedserve.quantization import kernel_choice, none
+from pagedserve.quantization import int8, kernel_choice, none
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="C++ CPU kernels unavailable")
 
@@ -78,10 +78,10 @@ def fresh_cache(monkeypatch, tmp_path):
     """An empty cache directory and no choice remembered in this process."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     kernel_choice.bf16_layout.cache_clear()
-    kernel_choice.int8_kernel.cache_clear()
+    int8.int8_kernel.cache_clear()
     yield tmp_path / "kernel_choice.json"
     kernel_choice.bf16_layout.cache_clear()
-    kernel_choice.int8_kernel.cache_clear()
+    int8.int8_kernel.cache_clear()
 
 
 @needs_pairs
@@ -156,15 +156,13 @@ def test_without_the_pair_kernel_the_choice_is_fma(fresh_cache, monkeypatch):
 def test_int8_choice_is_timed_once_and_quantize_weight_follows_it(fresh_cache, monkeypatch):
     """The int8 product is chosen like a bfloat16 layout (timed once, cached beside it under
     its own name) and ``quantize_weight`` packs the weight only where "packed" won."""
-    from pagedserve.quantization.int8 import quantize_weight
-
-    monkeypatch.setattr(kernel_choice, "_time_int8", lambda w: {"int_mm": 2.0, "packed": 1.0})
-    assert kernel_choice.int8_kernel(96, 64) == "packed"
+    monkeypatch.setattr(int8, "_time_int8", lambda w: {"int_mm": 2.0, "packed": 1.0})
+    assert int8.int8_kernel(96, 64) == "packed"
     assert json.loads(fresh_cache.read_text()) == {
         kernel_choice.machine_key(): {"int8 96x64": "packed"}}
-    assert quantize_weight(torch.randn(96, 64)).packed.shape == (2, 17, 64, 4)
-    monkeypatch.setattr(kernel_choice, "_time_int8", lambda w: {"int_mm": 1.0, "packed": 2.0})
-    assert quantize_weight(torch.randn(96, 64)).packed is not None  # read back, not retimed
-    assert quantize_weight(torch.randn(64, 64)).packed is None      # a new shape: int_mm won
-    times = kernel_choice._time_int8(torch.randint(-127, 128, (128, 96), dtype=torch.int8))
+    assert int8.quantize_weight(torch.randn(96, 64)).packed.shape == (2, 17, 64, 4)
+    monkeypatch.setattr(int8, "_time_int8", lambda w: {"int_mm": 1.0, "packed": 2.0})
+    assert int8.quantize_weight(torch.randn(96, 64)).packed is not None  # read back, not retimed
+    assert int8.quantize_weight(torch.randn(64, 64)).packed is None  # a new shape: int_mm won
+    times = int8._time_int8(torch.randint(-127, 128, (128, 96), dtype=torch.int8))
     assert set(times) == {"int_mm", "packed"} and all(t > 0 for t in times.values())

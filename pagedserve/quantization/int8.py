@@ -14,7 +14,7 @@ The weight stays ``[N, K]`` and is passed transposed: ``_int_mm`` was as fast or
 with it than with a contiguous ``[K, N]`` copy at M = 1..256 on SmolLM2's shapes
 (``benchmarks/README.md``). On CPUs with AVX512-VNNI our own product (``vpdpbusd`` on a
 packed copy, ``csrc/int8_ops_cpu.cpp``) sums the same int32s, so gives the same bits; each
-weight shape runs whichever ``kernel_choice.int8_kernel`` timed faster. The float weight is
+weight shape runs whichever ``int8_kernel`` timed faster. The float weight is
 dropped: a ``Linear`` holds the int8 rows as
 its ``weight`` (int8 parameter, so memory accounting sees 1 byte per weight) and the pair as
 its ``method`` (``Int8Weight``). A tied LM head keeps the float embedding (the token lookup
@@ -24,6 +24,7 @@ needs it) and gets an int8 copy. Layers named in ``quantize_model``'s ``skip`` s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 
 from pagedserve.cpu_ops import cpu_layer_ops, cpu_ops_available, load_cpu_ops
 from pagedserve.quantization.base import KIND_INT8, Linear, LoadContext, QuantizationMethod, linears
-from pagedserve.quantization.kernel_choice import int8_kernel
+from pagedserve.quantization.kernel_choice import TIMED_COLUMNS, choose, time_routes
 from pagedserve.quantization.none import float_weight
 from pagedserve.quantization.smoothquant import calibration_token_ids, smooth_model, smoothable
 
@@ -76,6 +77,27 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = absmax / _QMAX
     q = torch.mul(x, _QMAX / absmax.clamp_(min=_TINY)).round_().to(torch.int8)
     return q, scale
+
+
+@functools.cache
+def int8_kernel(n: int, k: int) -> str:
+    """``"packed"`` or ``"int_mm"``: the product an int8 weight ``[n, k]`` runs here, timed
+    once per machine (``kernel_choice.choose``); always ``"int_mm"`` where the packed
+    kernel is not built."""
+    if not load_cpu_ops().packed_int8_available():
+        return "int_mm"
+    weight = lambda: torch.randint(-127, 128, (min(n, TIMED_COLUMNS), k), dtype=torch.int8)
+    return choose(f"int8 [{n}, {k}]", f"int8 {n}x{k}", lambda: _time_int8(weight()))
+
+
+def _time_int8(qweight: torch.Tensor) -> dict[str, float]:
+    """Seconds per product of ``qweight`` by ``int8_linear``: on its rows (``torch._int_mm``)
+    and on its packed copy."""
+    scale = torch.ones(qweight.shape[0])
+    weights = {"int_mm": Int8Weight(qweight, scale),
+               "packed": Int8Weight(qweight, scale, load_cpu_ops().pack_int8_weight(qweight))}
+    routes = {name: (lambda x, w=w: int8_linear(x, w)) for name, w in weights.items()}
+    return time_routes(routes, qweight.shape[1])
 
 
 def quantize_weight(weight: torch.Tensor) -> Int8Weight:

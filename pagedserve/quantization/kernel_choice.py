@@ -17,10 +17,8 @@ start: each weight shape is timed once (a few ms to a second), the winner is wri
 count and kernel sources, and later starts read it (a noisy timing decides once, it never
 flips while the code stays the same).
 
-An int8 weight (``int8.py``) has two products with the same bits (an int32 sum is exact in
-any order), so its choice is speed alone: ``torch._int_mm`` (oneDNN) on the rows as they
-are, or ``packed`` (CPUs with AVX512-VNNI: ``vpdpbusd`` on the weight packed by
-``pack_int8_weight``, ``csrc/int8_ops_cpu.cpp``).
+An int8 weight has two products with the same bits (an int32 sum is exact in any order),
+so its choice (``int8.int8_kernel``, by ``choose`` and ``time_routes`` here) is speed alone.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ logger = logging.getLogger(__name__)
 # weight's output columns (a wide LM head's rate is its slices' rate: timing all 49,152
 # columns of a 1B model's took seconds of start-up).
 _TIMED_ROWS = (16, 128)
-_TIMED_COLUMNS = 4096
+TIMED_COLUMNS = 4096
 
 
 def machine_key() -> str:
@@ -89,42 +87,27 @@ def _seconds(multiply, x: torch.Tensor) -> float:
     return best
 
 
-def _time_layouts(weight: torch.Tensor) -> dict[str, float]:
-    """Seconds per candidate: the sum over ``_TIMED_ROWS`` of one product's best time."""
-    ops, n = load_cpu_ops(), weight.shape[0]
-    packed = {"fma": ops.pack_linear_weight(weight), "pairs": ops.pack_linear_weight_pairs(weight)}
-    gen = torch.Generator().manual_seed(0)
-    times = dict.fromkeys(packed, 0.0)
-    for rows in _TIMED_ROWS:
-        x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
-        for name, p in packed.items():
-            times[name] += _seconds(lambda x, p=p: ops.fixed_order_linear(x, p, n), x)
-    return times
-
-
-def _time_int8(qweight: torch.Tensor) -> dict[str, float]:
-    """Seconds per int8 product (``int8.int8_linear``'s two routes on CPU: quantize,
-    ``torch._int_mm``, epilogue; or the packed product), as ``_time_layouts``."""
-    ops, n = load_cpu_ops(), qweight.shape[0]
-    scale, packed = torch.ones(n), ops.pack_int8_weight(qweight)
-
-    def int_mm(x):
-        q, x_scale = ops.quantize_rows_int8(x)
-        return ops.int8_scaled_mm_epilogue(torch._int_mm(q, qweight.t()), x_scale, scale, None,
-                                           x.dtype)
-
-    routes = {"int_mm": int_mm,
-              "packed": lambda x: ops.int8_packed_linear(x, packed, scale, None, n)}
+def time_routes(routes: dict, k: int, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Seconds per route (``routes``: name -> a product of ``x [rows, k]``): the sum over
+    ``_TIMED_ROWS`` of each one's best time."""
     gen = torch.Generator().manual_seed(0)
     times = dict.fromkeys(routes, 0.0)
     for rows in _TIMED_ROWS:
-        x = torch.randn(rows, qweight.shape[1], generator=gen)
+        x = torch.randn(rows, k, generator=gen).to(dtype)
         for name, multiply in routes.items():
             times[name] += _seconds(multiply, x)
     return times
 
 
-def _choose(what: str, shape: str, time_candidates) -> str:
+def _time_layouts(weight: torch.Tensor) -> dict[str, float]:
+    """Seconds per layout of ``weight``, by ``time_routes``."""
+    ops, n = load_cpu_ops(), weight.shape[0]
+    packed = {"fma": ops.pack_linear_weight(weight), "pairs": ops.pack_linear_weight_pairs(weight)}
+    routes = {name: (lambda x, p=p: ops.fixed_order_linear(x, p, n)) for name, p in packed.items()}
+    return time_routes(routes, weight.shape[1], weight.dtype)
+
+
+def choose(what: str, shape: str, time_candidates) -> str:
     """The cached choice for ``shape`` on this machine, else the fastest of
     ``time_candidates()`` (seconds by name), cached; ``what`` names the weights in the log."""
     key = machine_key()
@@ -147,15 +130,5 @@ def bf16_layout(n: int, k: int) -> str:
     (always ``"fma"`` where the pair kernel is not built)."""
     if not load_cpu_ops().pair_linear_available():
         return "fma"
-    weight = lambda: torch.randn(min(n, _TIMED_COLUMNS), k, dtype=torch.bfloat16)
-    return _choose(f"bfloat16 [{n}, {k}]", f"{n}x{k}", lambda: _time_layouts(weight()))
-
-
-@functools.cache
-def int8_kernel(n: int, k: int) -> str:
-    """``"packed"`` or ``"int_mm"``: the product an int8 weight ``[n, k]`` runs here (always
-    ``"int_mm"`` where the packed kernel is not built)."""
-    if not load_cpu_ops().packed_int8_available():
-        return "int_mm"
-    weight = lambda: torch.randint(-127, 128, (min(n, _TIMED_COLUMNS), k), dtype=torch.int8)
-    return _choose(f"int8 [{n}, {k}]", f"int8 {n}x{k}", lambda: _time_int8(weight()))
+    weight = lambda: torch.randn(min(n, TIMED_COLUMNS), k, dtype=torch.bfloat16)
+    return choose(f"bfloat16 [{n}, {k}]", f"{n}x{k}", lambda: _time_layouts(weight()))
