@@ -119,7 +119,7 @@ constexpr int64_t kPanelsPerBlock = 8;       // panels sharing x's runs (L2)
 // against one panel's run w [depth][kPanel]; `first` starts the chains at zero.
 template <int R, typename W>
 inline void micro_kernel(const float* x, int64_t ldx, const W* w, int64_t depth, float* c,
-                         int64_t ldc, bool first) {
+                         int64_t ldc, bool first, const pagedserve_gemm::Prefetch& pf) {
   Vec::V acc[R][2];
   for (int r = 0; r < R; ++r) {
     acc[r][0] = first ? Vec::zero() : Vec::load(c + r * ldc);
@@ -127,6 +127,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const W* w, int64_t depth,
   }
   for (int64_t k = 0; k < depth; ++k) {
     const Vec::V w0 = Vec::load(w + k * kPanel), w1 = Vec::load(w + k * kPanel + Vec::kLanes);
+    pagedserve_gemm::prefetch_step(pf, k, depth);
     for (int r = 0; r < R; ++r) {
       const Vec::V a = Vec::broadcast(x[r * ldx + k]);
       acc[r][0] = Vec::fma(a, w0, acc[r][0]);
@@ -141,14 +142,14 @@ inline void micro_kernel(const float* x, int64_t ldx, const W* w, int64_t depth,
 
 template <typename W>
 void micro_kernel_rows(int rows, const float* x, int64_t ldx, const W* w, int64_t depth,
-                       float* c, int64_t ldc, bool first) {
+                       float* c, int64_t ldc, bool first, const pagedserve_gemm::Prefetch& pf) {
   switch (rows) {
-    case 1: micro_kernel<1>(x, ldx, w, depth, c, ldc, first); break;
-    case 2: micro_kernel<2>(x, ldx, w, depth, c, ldc, first); break;
-    case 3: micro_kernel<3>(x, ldx, w, depth, c, ldc, first); break;
-    case 4: micro_kernel<4>(x, ldx, w, depth, c, ldc, first); break;
-    case 5: micro_kernel<5>(x, ldx, w, depth, c, ldc, first); break;
-    default: micro_kernel<kRows>(x, ldx, w, depth, c, ldc, first); break;
+    case 1: micro_kernel<1>(x, ldx, w, depth, c, ldc, first, pf); break;
+    case 2: micro_kernel<2>(x, ldx, w, depth, c, ldc, first, pf); break;
+    case 3: micro_kernel<3>(x, ldx, w, depth, c, ldc, first, pf); break;
+    case 4: micro_kernel<4>(x, ldx, w, depth, c, ldc, first, pf); break;
+    case 5: micro_kernel<5>(x, ldx, w, depth, c, ldc, first, pf); break;
+    default: micro_kernel<kRows>(x, ldx, w, depth, c, ldc, first, pf); break;
   }
 }
 
@@ -177,10 +178,10 @@ template <typename W, typename Out>
 void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t panels, Out* out,
           int64_t N) {
   pagedserve_gemm::for_each_tile<float, kPanelsPerBlock, kDepth, kRows, kPanel>(
-      M, K, panels,
-      [&](int rows, int64_t m0, int64_t k0, int64_t depth, int64_t p, float* c, int64_t ldc) {
-        micro_kernel_rows(rows, x + m0 * K + k0, K, packed + (p * K + k0) * kPanel, depth, c,
-                          ldc, k0 == 0);
+      M, K, packed, panels, K * kPanel,
+      [&](int rows, int64_t m0, int64_t k0, int64_t depth, const W* w, float* c, int64_t ldc,
+          const pagedserve_gemm::Prefetch& pf) {
+        micro_kernel_rows(rows, x + m0 * K + k0, K, w, depth, c, ldc, k0 == 0, pf);
       },
       write_to(out, N));
 }
@@ -199,7 +200,7 @@ constexpr int64_t kPairPanelsPerBlock = 4;           // panels sharing x's runs 
 // panel's run [depth][kPairPanel] of pairs.
 template <int R>
 inline void pair_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
-                        float* c, int64_t ldc, bool first) {
+                        float* c, int64_t ldc, bool first, const pagedserve_gemm::Prefetch& pf) {
   __m512 acc[R][kPairVectors];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kPairVectors; ++v)
@@ -208,6 +209,7 @@ inline void pair_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t
     __m512bh wv[kPairVectors];
     for (int v = 0; v < kPairVectors; ++v)
       wv[v] = (__m512bh)_mm512_loadu_si512(w + k * kPairPanel + 16 * v);
+    pagedserve_gemm::prefetch_step(pf, k, depth);
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(x[r * ldx + k]);
       for (int v = 0; v < kPairVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, wv[v]);
@@ -219,21 +221,21 @@ inline void pair_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t
 
 template <int R = kPairRows>
 void pair_kernel_rows(int rows, const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
-                      float* c, int64_t ldc, bool first) {
+                      float* c, int64_t ldc, bool first, const pagedserve_gemm::Prefetch& pf) {
   if constexpr (R > 1) {
-    if (rows < R) return pair_kernel_rows<R - 1>(rows, x, ldx, w, depth, c, ldc, first);
+    if (rows < R) return pair_kernel_rows<R - 1>(rows, x, ldx, w, depth, c, ldc, first, pf);
   }
-  pair_kernel<R>(x, ldx, w, depth, c, ldc, first);
+  pair_kernel<R>(x, ldx, w, depth, c, ldc, first, pf);
 }
 
 // out [M, N] = x [M, K2 pairs] @ the pair-packed panels; as gemm.
 void gemm_pairs(const int32_t* x, int64_t M, int64_t K2, const int32_t* packed, int64_t panels,
                 c10::BFloat16* out, int64_t N) {
   pagedserve_gemm::for_each_tile<float, kPairPanelsPerBlock, kPairDepth, kPairRows, kPairPanel>(
-      M, K2, panels,
-      [&](int rows, int64_t m0, int64_t k0, int64_t depth, int64_t p, float* c, int64_t ldc) {
-        pair_kernel_rows(rows, x + m0 * K2 + k0, K2, packed + (p * K2 + k0) * kPairPanel, depth,
-                         c, ldc, k0 == 0);
+      M, K2, packed, panels, K2 * kPairPanel,
+      [&](int rows, int64_t m0, int64_t k0, int64_t depth, const int32_t* w, float* c,
+          int64_t ldc, const pagedserve_gemm::Prefetch& pf) {
+        pair_kernel_rows(rows, x + m0 * K2 + k0, K2, w, depth, c, ldc, k0 == 0, pf);
       },
       write_to(out, N));
 }

@@ -25,18 +25,40 @@ namespace pagedserve_gemm {
 // 0.65-0.75 of oneDNN's rate at 512-2,048 rows there, 0.9-1.0 in chunks.)
 constexpr int64_t kChunkRows = 192;
 
+// A share of the weights a tile fetches into cache while it computes: `lines` cache lines
+// (64 bytes) from `addr`; none when lines == 0.
+struct Prefetch {
+  const char* addr = nullptr;
+  int64_t lines = 0;
+};
+
+// Called at step k of a tile's `depth` steps: its share of the prefetch, spread evenly.
+inline void prefetch_step(const Prefetch& pf, int64_t k, int64_t depth) {
+  for (int64_t j = k; j < pf.lines; j += depth) __builtin_prefetch(pf.addr + 64 * j, 0, 3);
+}
+
 // Threads split the panels: no two threads share an output element (no split-K). Per block
 // of kBlock panels (their runs share x's runs in L2) and chunk of kChunkRows rows: K in
-// runs of kDepth, rows in groups of kGroup, then the chunk is finished.
-//   tile(rows, m, k0, depth, p, c, ldc): rows [m, m + rows) against panel p's run at k0,
+// runs of kDepth, rows in groups of kGroup, then the chunk is finished. The weights are
+// `packed` [panels][panel_stride] (W elements), panel p's run at k0 the kDepth x kWidth
+// elements from packed + p * panel_stride + k0 * kWidth.
+//   tile(rows, m, k0, depth, w, c, ldc, pf): rows [m, m + rows) against the run w at k0,
 //       into c (accumulators of the group's first row and the panel's first column, rows
-//       ldc apart; the run at k0 == 0 starts the chains);
+//       ldc apart; the run at k0 == 0 starts the chains), prefetching pf;
 //   flush(c, ldc, m, rows, col0, col1): the chunk's rows [m, m + rows) are final for
 //       columns [col0, col1) (c holds column col0 first).
+// Only the first group of rows reads a run from memory; the others find it in L2. So while
+// the groups compute one run, each prefetches its share of the run its panel is read at
+// next (group g of G: lines [g L / G, (g + 1) L / G)), and the first group finds that in
+// cache too: a 1B model's decode step at 36 rows ran 1.3x faster. A chunk of one group (a
+// lone request's decode) prefetches nothing: it is bound by memory bandwidth alone, and the
+// hardware prefetcher streams it faster (0.71x at one row with the prefetch).
 template <typename Acc, int64_t kBlock, int64_t kDepth, int kGroup, int64_t kWidth,
-          typename Tile, typename Flush>
-void for_each_tile(int64_t M, int64_t K, int64_t panels, const Tile& tile, const Flush& flush) {
+          typename W, typename Tile, typename Flush>
+void for_each_tile(int64_t M, int64_t K, const W* packed, int64_t panels, int64_t panel_stride,
+                   const Tile& tile, const Flush& flush) {
   constexpr int64_t ldc = kBlock * kWidth;
+  const auto run = [&](int64_t p, int64_t k0) { return packed + p * panel_stride + k0 * kWidth; };
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<Acc> buffer;  // reused by every call on this thread
     buffer.resize(std::max<int64_t>(buffer.size(), std::min(M, kChunkRows) * ldc));
@@ -45,12 +67,29 @@ void for_each_tile(int64_t M, int64_t K, int64_t panels, const Tile& tile, const
       const int64_t p1 = std::min(end, p0 + kBlock);
       for (int64_t m_chunk = 0; m_chunk < M; m_chunk += kChunkRows) {
         const int64_t chunk = std::min(kChunkRows, M - m_chunk);
+        const int64_t groups = (chunk + kGroup - 1) / kGroup;
         for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
           const int64_t depth = std::min(kDepth, K - k0);
-          for (int64_t m0 = 0; m0 < chunk; m0 += kGroup) {
+          // The run read next: these panels' next k, else the next block's (or this block's
+          // again, for the next chunk) first.
+          const bool last = k0 + kDepth >= K;
+          const int64_t next_k0 = last ? 0 : k0 + kDepth;
+          const int64_t next_p0 = last && m_chunk + kChunkRows >= M ? p1 : p0;
+          const int64_t lines =
+              (std::min(kDepth, K - next_k0) * kWidth * int64_t{sizeof(W)} + 63) / 64;
+          for (int64_t g = 0; g < groups; ++g) {
+            const int64_t m0 = g * kGroup;
             const int rows = static_cast<int>(std::min<int64_t>(kGroup, chunk - m0));
-            for (int64_t p = p0; p < p1; ++p)
-              tile(rows, m_chunk + m0, k0, depth, p, c + m0 * ldc + (p - p0) * kWidth, ldc);
+            for (int64_t p = p0; p < p1; ++p) {
+              Prefetch pf;
+              if (groups > 1 && next_p0 + (p - p0) < end) {
+                const int64_t l0 = g * lines / groups;
+                pf = {reinterpret_cast<const char*>(run(next_p0 + (p - p0), next_k0)) + 64 * l0,
+                      (g + 1) * lines / groups - l0};
+              }
+              tile(rows, m_chunk + m0, k0, depth, run(p, k0), c + m0 * ldc + (p - p0) * kWidth,
+                   ldc, pf);
+            }
           }
         }
         flush(static_cast<const Acc*>(c), ldc, m_chunk, chunk, p0 * kWidth, p1 * kWidth);

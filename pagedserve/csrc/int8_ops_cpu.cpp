@@ -112,7 +112,7 @@ constexpr int64_t kMaxPackedK = 65536;             // int8.py's PACKED_MAX_K
 // apart) against one panel's run w [depth][kQuadPanel]; `first` starts the sums at zero.
 template <int R>
 inline void quad_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
-                        int32_t* c, int64_t ldc, bool first) {
+                        int32_t* c, int64_t ldc, bool first, const pagedserve_gemm::Prefetch& pf) {
   // __v16si, not __m512i (64-bit lanes): with __m512i accumulators GCC 12 spills them to
   // the stack inside the loop (3x slower).
   __v16si acc[R][kQuadVectors];
@@ -123,6 +123,7 @@ inline void quad_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t
   for (int64_t k = 0; k < depth; ++k) {
     __m512i wv[kQuadVectors];
     for (int v = 0; v < kQuadVectors; ++v) wv[v] = _mm512_loadu_si512(w + k * kQuadPanel + 16 * v);
+    pagedserve_gemm::prefetch_step(pf, k, depth);
     for (int r = 0; r < R; ++r) {
       const __m512i a = _mm512_set1_epi32(x[r * ldx + k]);
       for (int v = 0; v < kQuadVectors; ++v)
@@ -136,11 +137,11 @@ inline void quad_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t
 
 template <int R = kQuadRows>
 void quad_kernel_rows(int rows, const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
-                      int32_t* c, int64_t ldc, bool first) {
+                      int32_t* c, int64_t ldc, bool first, const pagedserve_gemm::Prefetch& pf) {
   if constexpr (R > 1) {
-    if (rows < R) return quad_kernel_rows<R - 1>(rows, x, ldx, w, depth, c, ldc, first);
+    if (rows < R) return quad_kernel_rows<R - 1>(rows, x, ldx, w, depth, c, ldc, first, pf);
   }
-  quad_kernel<R>(x, ldx, w, depth, c, ldc, first);
+  quad_kernel<R>(x, ldx, w, depth, c, ldc, first, pf);
 }
 #else
 constexpr bool kHasPackedInt8 = false;
@@ -294,11 +295,10 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
       };
       pagedserve_gemm::for_each_tile<int32_t, kQuadPanelsPerBlock, kQuadDepth, kQuadRows,
                                      kQuadPanel>(
-          M, K4, panels,
-          [&](int rows, int64_t m0, int64_t k0, int64_t depth, int64_t p, int32_t* c,
-              int64_t ldc) {
-            quad_kernel_rows(rows, xp + m0 * K4 + k0, K4, wp + (p * (K4 + 1) + k0) * kQuadPanel,
-                             depth, c, ldc, k0 == 0);
+          M, K4, wp, panels, (K4 + 1) * kQuadPanel,
+          [&](int rows, int64_t m0, int64_t k0, int64_t depth, const int32_t* w, int32_t* c,
+              int64_t ldc, const pagedserve_gemm::Prefetch& pf) {
+            quad_kernel_rows(rows, xp + m0 * K4 + k0, K4, w, depth, c, ldc, k0 == 0, pf);
           },
           flush);
     });
