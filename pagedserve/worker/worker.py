@@ -41,6 +41,7 @@ from pagedserve.model_loader.model_config import ModelConfig
 from pagedserve.worker.cpu_decode import CpuDecodeLayers
 from pagedserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedserve.worker.draft_runner import build_drafter
+from pagedserve.worker.host_malloc import keep_freed_host_memory
 from pagedserve.worker.kv_cache import (
     MemoryProfile,
     allocate_kv_caches,
@@ -120,6 +121,8 @@ class Worker:
         model = load_model(args, config.hf_config, config.model_path, config.device,
                            config.dtype, self.attention_backend, config.max_model_len, group,
                            hooks.tokenizer)
+        if torch.device(config.device).type == "cpu":
+            keep_freed_host_memory()  # activations reused step after step, not faulted in
         lora = LoRAConfig.from_engine_args(args)
         self.lora = None if lora is None else LoRAManager(model, lora)  # one rank (engine)
         if self.lora is not None and model.cpu_decode is not None:
