@@ -2,14 +2,16 @@
 
 A prefill step of a 1B-class model allocates activations of tens of MiB per layer (the
 gate/up product of 2,048 tokens x 16,384 columns in bfloat16: 64 MiB) and frees them a few
-microseconds later. With glibc's defaults those blocks are mapped and unmapped, or trimmed
-from the heap's top, on every call, so the next step page-faults them in again and the
-kernel clears every page (``clear_page_erms``, 9% of the 1B's samples under ``perf``). The
-three settings below (``mallopt(3)``: ``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``,
-``M_TOP_PAD``) keep blocks under 1 GiB in the heap and the heap from shrinking, so after a
-few steps the same addresses are reused with no faults; the process's resident memory stays
-at its peak, as with the tcmalloc that vLLM's CPU backend preloads. The 1B workload in
-bfloat16: 1.11x output tok/s (``benchmarks/README.md``, eighteenth session).
+microseconds later. With glibc's defaults such blocks are handed back to the kernel
+(unmapped, or trimmed from the heap's top) or left unused while the heap grows past them,
+so every step faults fresh pages in and the kernel clears each one (a loop of such steps:
+16-28 thousand minor faults a step, never fewer; ``clear_page_erms`` and the fault path:
+5-9% of the 1B's samples under ``perf``). The three settings below (``mallopt(3)``:
+``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``, ``M_TOP_PAD``) keep blocks under 1 GiB in the
+heap and the heap from shrinking: after a few steps the loop faults nothing. The process's
+resident memory stays at its peak, as with the tcmalloc that vLLM's CPU backend preloads.
+The 1B workload in bfloat16: 1.08-1.15x output tok/s (``benchmarks/README.md``, eighteenth
+session).
 
 Applies only where the C library is glibc and the user set none of glibc's ``MALLOC_*``
 variables for these settings (theirs win).
