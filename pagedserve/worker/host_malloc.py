@@ -1,4 +1,5 @@
-"""glibc's allocator told to keep the memory a step frees, for the next step.
+"""glibc's allocator told to keep the memory a step frees, for the next step, and to hand
+back what loading and profiling freed.
 
 A prefill step of a 1B-class model allocates activations of tens of MiB per layer (the
 gate/up product of 2,048 tokens x 16,384 columns in bfloat16: 64 MiB) and frees them a few
@@ -48,3 +49,14 @@ def keep_freed_host_memory() -> bool:
         logger.warning("mallopt refused parameters %s: freed memory may be faulted in again",
                        failed)
     return not failed
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed while loading (float weights a method replaced, file
+    bytes) or profiling back to the OS: glibc keeps them in the process otherwise,
+    resident. With ``--quantization mxfp4`` on the bundled model the process held 621 MiB
+    after loading, 441 MiB after ``malloc_trim(0)`` (glibc's ``malloc.h``; a no-op
+    elsewhere). ``malloc_trim`` hands them back whatever ``M_TRIM_THRESHOLD`` is."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

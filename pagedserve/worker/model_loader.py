@@ -9,7 +9,6 @@ quantization method together; the worker calls it once per model it runs.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import pathlib
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pagedserve.models.registry import get_model_class
 from pagedserve.quantization import get_quantization_method
 from pagedserve.quantization.base import LoadContext
 from pagedserve.worker.cpu_decode import CpuDecodeLayers
+from pagedserve.worker.host_malloc import release_freed_memory
 from pagedserve.worker.kv_cache import allocate_kv_caches
 
 logger = logging.getLogger(__name__)
@@ -71,17 +71,6 @@ def load_model(args: EngineArgs, hf_config, model_path: pathlib.Path, device: st
         model.cpu_decode = CpuDecodeLayers.build(model)
     release_freed_memory()
     return model.eval()
-
-
-def release_freed_memory() -> None:
-    """Hand the heap pages freed while loading (float weights a method replaced, file
-    bytes) or profiling back to the OS: glibc keeps them in the process otherwise,
-    resident. With ``--quantization mxfp4`` on the bundled model the process held 621 MiB
-    after loading, 441 MiB after ``malloc_trim(0)`` (glibc's ``malloc.h``; a no-op
-    elsewhere)."""
-    libc = ctypes.CDLL(None)
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 @torch.inference_mode()

@@ -41,7 +41,7 @@ from pagedserve.model_loader.model_config import ModelConfig
 from pagedserve.worker.cpu_decode import CpuDecodeLayers
 from pagedserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedserve.worker.draft_runner import build_drafter
-from pagedserve.worker.host_malloc import keep_freed_host_memory
+from pagedserve.worker.host_malloc import keep_freed_host_memory, release_freed_memory
 from pagedserve.worker.kv_cache import (
     MemoryProfile,
     allocate_kv_caches,
@@ -55,7 +55,7 @@ from pagedserve.worker.kv_cache import (
     resident_within_budget,
     total_memory_bytes,
 )
-from pagedserve.worker.model_loader import load_model, release_freed_memory
+from pagedserve.worker.model_loader import load_model
 from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
