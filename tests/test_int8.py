@@ -87,6 +87,27 @@ def test_packed_product_equals_int_mm_bit_for_bit(dtype, m, n, k):
         int8_linear(x[:, :3], packed)
 
 
+@pytest.mark.skipif(not load_cpu_ops().amx_tiles_available(), reason="no AMX here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (37, 50, 128), (200, 130, 2048), (450, 700, 576)])
+def test_amx_product_equals_int_mm_bit_for_bit(dtype, m, n, k):
+    """TDPBUSD tiles on the AMX-packed weight sum the same int32s as torch._int_mm: any M
+    (tails of 16-row tiles), N (tails of a 64-column panel), K in steps of 64, a bias, and
+    rows and weight rows of one sign (the largest sums)."""
+    gen = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    x[0], w[0] = x[0].abs(), -w[0].abs()
+    bias = torch.randn(n, generator=gen).to(dtype)
+    q = quantize_weight(w)
+    plain = Int8Weight(q.qweight, q.scale)
+    tiles = Int8Weight(q.qweight, q.scale, load_cpu_ops().pack_int8_weight_amx(q.qweight))
+    x = x.to(dtype)
+    assert torch.equal(int8_linear(x, tiles, bias), int8_linear(x, plain, bias))
+    assert torch.equal(int8_linear(x, tiles), int8_linear(x, plain))
+    with pytest.raises(RuntimeError, match="K a multiple of 64"):
+        load_cpu_ops().pack_int8_weight_amx(q.qweight[:, :32])
+
+
 def test_a_row_result_does_not_depend_on_other_rows():
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(6, 64, generator=gen), torch.randn(48, 64, generator=gen)

@@ -1,7 +1,8 @@
-"""The bfloat16 pair kernel (``vdpbf16ps`` chains, ``csrc/fixed_order_gemm_cpu.cpp``) and
-the once-per-machine choice between it and the FMA kernel (``quantization/kernel_choice.py``).
+"""The bfloat16 pair kernel (``vdpbf16ps`` chains, ``csrc/fixed_order_gemm_cpu.cpp``), its
+AMX twin (``TDPBF16PS`` tiles, ``csrc/amx_tiles.h``) and the once-per-machine choice between
+them and the FMA kernel (``quantization/kernel_choice.py``).
 
-The pair kernel is checked against the float64 product (bfloat16 products are exact in
+The pair and AMX kernels are checked against the float64 product (bfloat16 products are exact in
 float32, so only the float32 additions and the final rounding differ) and for batch
 invariance; the choice for being timed once, written, and read back unchanged.
 """
@@ -28,6 +29,8 @@ def pairs_available() -> bool:
 
 needs_pairs = pytest.mark.skipif(not cpu_ops_available() or not pairs_available(),
                                  reason="this CPU has no AVX512-BF16")
+needs_amx = pytest.mark.skipif(not cpu_ops_available() or not load_cpu_ops().amx_tiles_available(),
+                               reason="this CPU has no AMX")
 
 
 def assert_near_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -73,6 +76,39 @@ def test_pair_kernel_rejects_what_it_cannot_multiply():
     assert ops.fixed_order_linear(torch.empty(0, 32).bfloat16(), packed, 64).shape == (0, 64)
 
 
+@needs_amx
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 300), n=st.sampled_from([1, 63, 64, 200, 960]),
+       k=st.sampled_from([32, 96, 576, 1536]), seed=st.integers(0, 2**31))
+def test_amx_kernel_matches_float64_and_is_row_invariant(m, n, k, seed):
+    """Any N (tails of a 64-column panel), K in whole k-steps of 32, any M (tails of 16-row
+    tiles)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    ops = load_cpu_ops()
+    packed = ops.pack_linear_weight_amx(weight)
+    assert packed.shape == ((n + 63) // 64, k // 32, 16, 64, 2)
+    multiply = lambda rows: ops.fixed_order_linear(rows, packed, n)
+    out = multiply(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert_near_float64(out, x, weight)
+    assert_rows_invariant(multiply, x)
+
+
+@needs_amx
+def test_amx_kernel_rejects_what_it_cannot_multiply():
+    ops = load_cpu_ops()
+    packed = ops.pack_linear_weight_amx(torch.randn(64, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="AMX-packed weights take bfloat16 rows"):
+        ops.fixed_order_linear(torch.randn(2, 32), packed, 64)
+    with pytest.raises(RuntimeError, match="x has K = 64 and N = 64"):
+        ops.fixed_order_linear(torch.randn(2, 64).bfloat16(), packed, 64)
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        ops.pack_linear_weight_amx(torch.randn(64, 48).bfloat16())
+    assert ops.fixed_order_linear(torch.empty(0, 32).bfloat16(), packed, 64).shape == (0, 64)
+
+
 @pytest.fixture
 def fresh_cache(monkeypatch, tmp_path):
     """An empty cache directory and no choice remembered in this process."""
@@ -113,13 +149,17 @@ def test_choice_is_timed_once_then_read_back(fresh_cache, monkeypatch):
 
 
 @needs_pairs
-def test_real_timing_prefers_pairs_at_a_compute_bound_shape(fresh_cache):
-    """Timed for real: both layouts run; the pair kernel does twice the products per
-    instruction, so at 128 + 16 rows of a 1536 x 576 weight it wins (it did by ~1.8x on
-    the Zen 5 EPYC this was written on)."""
+def test_real_timing_runs_every_layout_of_this_cpu(fresh_cache):
+    """Timed for real: every layout this CPU has runs. (Which of pairs and FMA wins is the
+    CPU's: pairs by ~1.8x on a Zen 5 EPYC, FMA by ~1.2x on an AMX Xeon.) Where AMX runs,
+    its tiles do 16 times the products of ``vdpbf16ps`` per instruction and win at 128 +
+    16 rows of a 1536 x 576 weight (~7x on the Xeon)."""
     times = kernel_choice._time_layouts(torch.randn(1536, 576, dtype=torch.bfloat16))
-    assert set(times) == {"fma", "pairs"} and all(t > 0 for t in times.values())
-    assert times["pairs"] < times["fma"]
+    amx = load_cpu_ops().amx_tiles_available()
+    assert set(times) == {"fma", "pairs"} | ({"amx"} if amx else set())
+    assert all(t > 0 for t in times.values())
+    if amx:
+        assert times["amx"] < min(times["fma"], times["pairs"])
 
 
 @needs_pairs
@@ -129,7 +169,10 @@ def test_pack_weight_follows_the_choice(fresh_cache):
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(100, 96, generator=gen).bfloat16()
     x = torch.randn(3, 7, 96, generator=gen).bfloat16()
-    for layout, dims in (("pairs", 4), ("fma", 3)):
+    layouts = [("pairs", 4), ("fma", 3)]
+    if load_cpu_ops().amx_tiles_available():
+        layouts.append(("amx", 5))
+    for layout, dims in layouts:
         fresh_cache.write_text(json.dumps({kernel_choice.machine_key(): {"100x96": layout}}))
         kernel_choice.bf16_layout.cache_clear()
         packed = none.pack_weight(weight)
@@ -155,7 +198,8 @@ def test_without_the_pair_kernel_the_choice_is_fma(fresh_cache, monkeypatch):
 @pytest.mark.skipif(not load_cpu_ops().packed_int8_available(), reason="no AVX512-VNNI here")
 def test_int8_choice_is_timed_once_and_quantize_weight_follows_it(fresh_cache, monkeypatch):
     """The int8 product is chosen like a bfloat16 layout (timed once, cached beside it under
-    its own name) and ``quantize_weight`` packs the weight only where "packed" won."""
+    its own name) and ``quantize_weight`` packs the weight only where "packed" or "amx" won."""
+    time_int8 = int8._time_int8  # the real timing, for the end
     monkeypatch.setattr(int8, "_time_int8", lambda w: {"int_mm": 2.0, "packed": 1.0})
     assert int8.int8_kernel(96, 64) == "packed"
     assert json.loads(fresh_cache.read_text()) == {
@@ -164,5 +208,10 @@ def test_int8_choice_is_timed_once_and_quantize_weight_follows_it(fresh_cache, m
     monkeypatch.setattr(int8, "_time_int8", lambda w: {"int_mm": 1.0, "packed": 2.0})
     assert int8.quantize_weight(torch.randn(96, 64)).packed is not None  # read back, not retimed
     assert int8.quantize_weight(torch.randn(64, 64)).packed is None  # a new shape: int_mm won
-    times = int8._time_int8(torch.randint(-127, 128, (128, 96), dtype=torch.int8))
-    assert set(times) == {"int_mm", "packed"} and all(t > 0 for t in times.values())
+    monkeypatch.setattr(int8, "_time_int8", lambda w: {"int_mm": 2.0, "packed": 3.0, "amx": 1.0})
+    if load_cpu_ops().amx_tiles_available():
+        assert int8.quantize_weight(torch.randn(96, 128)).packed.shape == (2, 3, 16, 64, 4)
+    for k, amx in ((96, False), (128, load_cpu_ops().amx_tiles_available())):
+        times = time_int8(torch.randint(-127, 128, (128, k), dtype=torch.int8))
+        assert set(times) == {"int_mm", "packed"} | ({"amx"} if amx else set())
+        assert all(t > 0 for t in times.values())

@@ -50,12 +50,12 @@ constexpr int64_t kTensorsPerLayer = 10;
 constexpr int64_t kInt8 = -1, kFloat = -2;
 
 // x [T, K] @ W^T as the layer's method (apply) computes it. a, b: GGUF blocks and an empty
-// tensor; int8 rows [N, K] (or their packed copy, 4-D) and their float32 scales [N]; a float
+// tensor; int8 rows [N, K] (or their packed copy, 4-D or 5-D) and their float32 scales [N]; a float
 // weight [N, K] and its packed copy for fixed_order_linear (empty if none).
 torch::Tensor project(const torch::Tensor& a, const torch::Tensor& b, int64_t kind,
                       const torch::Tensor& x) {
   if (kind == kInt8) {
-    if (a.dim() == 4) return int8_packed_linear(x, a, b, std::nullopt, b.numel());
+    if (a.dim() >= 4) return int8_packed_linear(x, a, b, std::nullopt, b.numel());
     auto [q, scale] = quantize_rows_int8(x);
     return int8_scaled_mm_epilogue(at::_int_mm(q, a.t()), scale, b, std::nullopt,
                                    x.scalar_type());

@@ -32,6 +32,11 @@
 // (Intel SDM, VDPBF16PS: denormal inputs read as zero, each addition rounded to nearest
 // even), so the same argument makes it batch-invariant. Its bits differ from the FMA
 // chain's; which of the two a weight uses is chosen once per CPU (kernel_choice.py).
+//
+// Tiles (CPUs with AMX): the pair layout is already AMX's B tiles (amx_tiles.h), and
+// TDPBF16PS runs each output as one chain over k-steps of 16 pairs in order, kept in a tile
+// register from the first to the last; its bits differ from vdpbf16ps's (another order of
+// the products inside a step), so it is a third layout, chosen as the other two.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -41,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "cpu_vec.h"
 #include "gemm_blocking.h"
 
@@ -243,6 +249,18 @@ void gemm_pairs(const int32_t* x, int64_t M, int64_t K2, const int32_t* packed, 
 constexpr bool kHasPairs = false;
 #endif
 
+#if defined(PAGEDSERVE_AMX)
+// out [M, N] = x [M, 32 * steps] bfloat16 @ the pair-packed panels, by AMX tiles.
+void gemm_amx(const c10::BFloat16* x, int64_t M, int64_t steps, const c10::BFloat16* packed,
+              int64_t panels, c10::BFloat16* out, int64_t N) {
+  namespace amx = pagedserve_amx;  // (not `using`: this file has a kRows of its own)
+  amx::for_each_tile<amx::Product::kBf16Pairs, float>(
+      M, steps, reinterpret_cast<const uint8_t*>(x), steps * amx::kStepBytes,
+      reinterpret_cast<const uint8_t*>(packed), panels, steps * amx::kRows * amx::kUnitRowBytes,
+      write_to(out, N));
+}
+#endif
+
 void check_float(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
               "fixed_order_linear: ", what, " must be float32 or bfloat16, got ",
@@ -289,6 +307,53 @@ torch::Tensor pack_linear_weight_pairs(torch::Tensor weight) {
 #endif
 }
 
+// Whether this build and process run AMX tiles (amx_tiles.h).
+bool amx_tiles_available() {
+#if defined(PAGEDSERVE_AMX)
+  return pagedserve_amx::tiles_permitted();
+#else
+  return false;
+#endif
+}
+
+// weight [N, K] bfloat16, K a multiple of 32 -> the pair layout in k-steps of 16 pairs,
+// [ceil(N / 64), K / 32, 16, 64, 2] (one B tile a step and 16 columns). Raises
+// (RuntimeError) without AMX, on another dtype or on another K.
+torch::Tensor pack_linear_weight_amx(torch::Tensor weight) {
+  TORCH_CHECK(amx_tiles_available(), "pack_linear_weight_amx: no AMX tiles here");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) % 32 == 0,
+              "pack_linear_weight_amx: weight must be [N, K] with K a multiple of 32, got ",
+              weight.sizes());
+  const auto pairs = pack_linear_weight_pairs(weight);
+  return pairs.view({pairs.size(0), pairs.size(1) / 16, 16, pairs.size(2), 2});
+}
+
+// x [M, K] bfloat16 @ the weight packed by pack_linear_weight_amx, N its rows -> [M, N]
+// bfloat16. Raises (RuntimeError) on another dtype or mismatched shapes.
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+#if defined(PAGEDSERVE_AMX)
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "fixed_order_linear: AMX-packed weights take bfloat16 rows, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && packed.size(2) == 16 && packed.size(3) == 64 &&
+                  packed.size(4) == 2 && packed.is_contiguous(),
+              "fixed_order_linear: x must be [M, K] and packed [panels, K/32, 16, 64, 2]");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), steps = packed.size(1);
+  TORCH_CHECK(K == 32 * steps && N > (panels - 1) * 64 && N <= panels * 64,
+              "fixed_order_linear: x has K = ", K, " and N = ", N, "; packed is ",
+              packed.sizes());
+  auto out = torch::empty({M, N}, x.options());
+  const auto xc = x.contiguous();
+  if (M > 0)
+    gemm_amx(xc.data_ptr<c10::BFloat16>(), M, steps, packed.data_ptr<c10::BFloat16>(), panels,
+             out.data_ptr<c10::BFloat16>(), N);
+  return out;
+#else
+  TORCH_CHECK(false, "fixed_order_linear: this CPU build has no AMX tiles");
+  return x;
+#endif
+}
+
 // x [M, K] bfloat16 @ the weight packed by pack_linear_weight_pairs, N its rows -> [M, N]
 // bfloat16. Raises (RuntimeError) on another dtype or mismatched shapes.
 torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
@@ -321,9 +386,11 @@ torch::Tensor pair_linear(const torch::Tensor& x, const torch::Tensor& packed, i
 // x [M, K] float32 or bfloat16 @ the weight packed by pack_linear_weight, N its rows ->
 // [M, N] in x's dtype (see the top of the file for the order of every sum). Raises
 // (RuntimeError) on another dtype or mismatched shapes. A 4-dimensional packed weight is
-// pair-packed (pack_linear_weight_pairs): pair_linear.
+// pair-packed (pack_linear_weight_pairs): pair_linear; a 5-dimensional one AMX-packed
+// (pack_linear_weight_amx): amx_linear.
 torch::Tensor fixed_order_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   if (packed.dim() == 4) return pair_linear(x, packed, N);
+  if (packed.dim() == 5) return amx_linear(x, packed, N);
   check_float(x, "x");
   check_float(packed, "packed");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel &&
@@ -354,4 +421,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("fixed_order_linear", &fixed_order_linear);
   m.def("pack_linear_weight_pairs", &pack_linear_weight_pairs);
   m.def("pair_linear_available", &pair_linear_available);
+  m.def("pack_linear_weight_amx", &pack_linear_weight_amx);
+  m.def("amx_tiles_available", &amx_tiles_available);
 }

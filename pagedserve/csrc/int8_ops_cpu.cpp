@@ -14,6 +14,8 @@
 // for those functions (and no fused multiply-add) so the compiler keeps that order. The
 // product is an integer sum, exact in any order: the packed product gives torch._int_mm's
 // int32 result, hence the same bits, and a row's bits never depend on the other rows.
+// On CPUs with AMX the same packed product runs as TDPBUSD tiles (amx_tiles.h) on a copy
+// packed by pack_int8_weight_amx: the same integers, so the same bits again.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -27,6 +29,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_tiles.h"
 #include "gemm_blocking.h"
 
 #define PRECISE __attribute__((optimize("no-fast-math", "fp-contract=off")))
@@ -230,17 +233,48 @@ torch::Tensor pack_int8_weight(torch::Tensor qweight) {
 #endif
 }
 
+// qweight int8 [N, K], K a multiple of 64 -> int8 [ceil(N / 64), K / 64 + 1, 16, 64, 4]:
+// pack_int8_weight's layout in k-steps of 16 quads (one AMX B tile a step and 16 columns),
+// its corrections row followed by 15 zero rows. Raises (RuntimeError) without AMX, on
+// another dtype or on another K.
+torch::Tensor pack_int8_weight_amx(torch::Tensor qweight) {
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
+                  qweight.size(1) % 64 == 0,
+              "pack_int8_weight_amx: qweight must be an int8 [N, K], K a multiple of 64");
+#if defined(PAGEDSERVE_AMX)
+  TORCH_CHECK(pagedserve_amx::tiles_permitted(), "pack_int8_weight_amx: no AMX tiles here");
+  const int64_t N = qweight.size(0), K4 = qweight.size(1) / 4;
+  const int64_t panels = (N + kQuadPanel - 1) / kQuadPanel;
+  const auto quads = pack_int8_weight(qweight);  // [panels, K4 + 1, 64, 4]
+  auto packed = torch::zeros({panels, K4 / 16 + 1, 16, kQuadPanel, 4}, qweight.options());
+  packed.view({panels, K4 + 16, kQuadPanel, 4}).narrow(1, 0, K4 + 1).copy_(quads);
+  return packed;
+#else
+  TORCH_CHECK(false, "pack_int8_weight_amx: this CPU build has no AMX tiles");
+  return qweight;
+#endif
+}
+
 // x [M, K] float32 / bfloat16 / float16 @ the int8 weight packed by pack_int8_weight
-// (N rows, float32 scales w_scale [N]) + bias -> [M, N] in x's dtype: bit for bit
+// (4-D; or by pack_int8_weight_amx, 5-D: AMX tiles) (N rows, float32 scales w_scale [N])
+// + bias -> [M, N] in x's dtype: bit for bit
 // int8_scaled_mm_epilogue(torch._int_mm(*quantize_rows_int8(x)...)). Raises (RuntimeError)
 // on mismatched shapes or without AVX512-VNNI.
 torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale,
                                  std::optional<torch::Tensor> bias, int64_t N) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kChar && packed.dim() == 4 &&
-                  packed.size(2) == kQuadPanel && packed.size(3) == 4 && packed.is_contiguous(),
-              "int8_packed_linear: x must be [M, K] and packed [panels, K/4 + 1, 64, 4]");
-  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), K4 = packed.size(1) - 1;
+  const bool tiles = packed.dim() == 5;
+  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  (tiles ? packed.size(2) == 16 && packed.size(3) == kQuadPanel &&
+                               packed.size(4) == 4
+                         : packed.dim() == 4 && packed.size(2) == kQuadPanel &&
+                               packed.size(3) == 4),
+              "int8_packed_linear: x must be [M, K] and packed [panels, K/4 + 1, 64, 4] or "
+              "[panels, K/64 + 1, 16, 64, 4]");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  // quads of K, and rows of a panel (each kQuadPanel quads): the K4 rows, then corrections
+  const int64_t K4 = tiles ? (packed.size(1) - 1) * 16 : packed.size(1) - 1;
+  const int64_t panel_rows = tiles ? K4 + 16 : K4 + 1;
   TORCH_CHECK((K + 3) / 4 == K4 && N > (panels - 1) * kQuadPanel && N <= panels * kQuadPanel &&
                   w_scale.scalar_type() == at::kFloat && w_scale.numel() == N,
               "int8_packed_linear: x has K = ", K, " and N = ", N, "; packed is ",
@@ -285,7 +319,7 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t j0 = 0; j0 < width; j0 += kQuadPanel) {
             const int64_t p = (col0 + j0) / kQuadPanel;
-            const int32_t* corrections = wp + (p * (K4 + 1) + K4) * kQuadPanel;
+            const int32_t* corrections = wp + (p * panel_rows + K4) * kQuadPanel;
             for (int64_t j = 0; j < std::min(kQuadPanel, width - j0); ++j)
               exact[j0 + j] = c[r * ldc + j0 + j] - corrections[j];
           }
@@ -293,9 +327,19 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
                        op + (m + r) * N + col0);
         }
       };
+#if defined(PAGEDSERVE_AMX)
+      if (tiles) {
+        namespace amx = pagedserve_amx;
+        amx::for_each_tile<amx::Product::kInt8Quads, int32_t>(
+            M, K4 / 16, reinterpret_cast<const uint8_t*>(xp), K4 * 4,
+            reinterpret_cast<const uint8_t*>(wp), panels, panel_rows * kQuadPanel * 4, flush);
+        return;
+      }
+#endif
+      TORCH_CHECK(!tiles, "int8_packed_linear: this CPU build has no AMX tiles");
       pagedserve_gemm::for_each_tile<int32_t, kQuadPanelsPerBlock, kQuadDepth, kQuadRows,
                                      kQuadPanel>(
-          M, K4, wp, panels, (K4 + 1) * kQuadPanel,
+          M, K4, wp, panels, panel_rows * kQuadPanel,
           [&](int rows, int64_t m0, int64_t k0, int64_t depth, const int32_t* w, int32_t* c,
               int64_t ldc, const pagedserve_gemm::Prefetch& pf) {
             quad_kernel_rows(rows, xp + m0 * K4 + k0, K4, w, depth, c, ldc, k0 == 0, pf);
@@ -315,5 +359,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int8_scaled_mm_epilogue", &int8_scaled_mm_epilogue);
   m.def("packed_int8_available", &packed_int8_available);
   m.def("pack_int8_weight", &pack_int8_weight);
+  m.def("pack_int8_weight_amx", &pack_int8_weight_amx);
   m.def("int8_packed_linear", &int8_packed_linear);
 }

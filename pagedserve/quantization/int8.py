@@ -13,12 +13,13 @@ Symmetric W8A8 quantization as in SmoothQuant (whose smoothing is ``smoothquant.
 The weight stays ``[N, K]`` and is passed transposed: ``_int_mm`` was as fast or faster
 with it than with a contiguous ``[K, N]`` copy at M = 1..256 on SmolLM2's shapes
 (``benchmarks/README.md``). On CPUs with AVX512-VNNI our own product (``vpdpbusd`` on a
-packed copy, ``csrc/int8_ops_cpu.cpp``) sums the same int32s, so gives the same bits; each
-weight shape runs whichever ``int8_kernel`` timed faster. The float weight is
-dropped: a ``Linear`` holds the int8 rows as
-its ``weight`` (int8 parameter, so memory accounting sees 1 byte per weight) and the pair as
-its ``method`` (``Int8Weight``). A tied LM head keeps the float embedding (the token lookup
-needs it) and gets an int8 copy. Layers named in ``quantize_model``'s ``skip`` stay in float.
+packed copy, ``csrc/int8_ops_cpu.cpp``; on CPUs with AMX, ``TDPBUSD`` tiles) sums the same
+int32s, so gives the same bits; each weight shape runs whichever ``int8_kernel`` timed
+faster. The float weight is dropped: a ``Linear`` holds the int8 rows as its ``weight``
+(int8 parameter, so memory accounting sees 1 byte per weight) and the pair as its
+``method`` (``Int8Weight``). A tied LM head keeps the float embedding (the token lookup
+needs it) and gets an int8 copy. Layers named in ``quantize_model``'s ``skip`` stay in
+float.
 ``Int8Method`` first moves activation outliers into the weights (``smoothquant.py``).
 """
 
@@ -32,7 +33,12 @@ from torch import nn
 
 from pagedserve.cpu_ops import cpu_layer_ops, cpu_ops_available, load_cpu_ops
 from pagedserve.quantization.base import KIND_INT8, Linear, LoadContext, QuantizationMethod, linears
-from pagedserve.quantization.kernel_choice import TIMED_COLUMNS, choose, time_routes
+from pagedserve.quantization.kernel_choice import (
+    TIMED_COLUMNS,
+    amx_applies,
+    choose,
+    time_routes,
+)
 from pagedserve.quantization.none import float_weight
 from pagedserve.quantization.smoothquant import calibration_token_ids, smooth_model, smoothable
 
@@ -54,7 +60,8 @@ class Int8Weight:
     """A weight ``[N, K]`` as int8 ``qweight [N, K]`` and float32 ``scale [N]`` (one per
     output row): ``weight ~= qweight * scale[:, None]``, off by at most ``scale / 2``;
     ``packed``: qweight packed by ``pack_int8_weight`` (``[ceil(N / 64), ceil(K / 4) + 1,
-    64, 4]`` int8) where the packed product runs, else None. A model's layers keep only
+    64, 4]`` int8) or ``pack_int8_weight_amx`` (``[ceil(N / 64), K / 64 + 1, 16, 64, 4]``)
+    where a packed product runs, else None. A model's layers keep only
     one of the two (``quantize_model``): qweight is None beside a packed copy."""
 
     qweight: torch.Tensor | None
@@ -81,9 +88,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def int8_kernel(n: int, k: int) -> str:
-    """``"packed"`` or ``"int_mm"``: the product an int8 weight ``[n, k]`` runs here, timed
-    once per machine (``kernel_choice.choose``); always ``"int_mm"`` where the packed
-    kernel is not built."""
+    """``"amx"``, ``"packed"`` or ``"int_mm"``: the product an int8 weight ``[n, k]`` runs
+    here, timed once per machine (``kernel_choice.choose``); always ``"int_mm"`` where the
+    packed kernel is not built."""
     if not load_cpu_ops().packed_int8_available():
         return "int_mm"
     weight = lambda: torch.randint(-127, 128, (min(n, TIMED_COLUMNS), k), dtype=torch.int8)
@@ -92,10 +99,12 @@ def int8_kernel(n: int, k: int) -> str:
 
 def _time_int8(qweight: torch.Tensor) -> dict[str, float]:
     """Seconds per product of ``qweight`` by ``int8_linear``: on its rows (``torch._int_mm``)
-    and on its packed copy."""
+    and on its packed copies (vector and, where they run, AMX tiles)."""
     scale = torch.ones(qweight.shape[0])
     weights = {"int_mm": Int8Weight(qweight, scale),
                "packed": Int8Weight(qweight, scale, load_cpu_ops().pack_int8_weight(qweight))}
+    if amx_applies(qweight.shape[1], 64):
+        weights["amx"] = Int8Weight(qweight, scale, load_cpu_ops().pack_int8_weight_amx(qweight))
     routes = {name: (lambda x, w=w: int8_linear(x, w)) for name, w in weights.items()}
     return time_routes(routes, qweight.shape[1])
 
@@ -105,9 +114,12 @@ def quantize_weight(weight: torch.Tensor) -> Int8Weight:
     where the packed product is the faster here."""
     q, scale = quantize_rows(weight)
     packed = None
-    if (q.device.type == "cpu" and q.shape[1] <= PACKED_MAX_K and cpu_ops_available()
-            and int8_kernel(*q.shape) == "packed"):
-        packed = load_cpu_ops().pack_int8_weight(q)
+    if q.device.type == "cpu" and q.shape[1] <= PACKED_MAX_K and cpu_ops_available():
+        kernel = int8_kernel(*q.shape)
+        if kernel == "packed":
+            packed = load_cpu_ops().pack_int8_weight(q)
+        elif kernel == "amx":
+            packed = load_cpu_ops().pack_int8_weight_amx(q)
     return Int8Weight(q, scale.view(-1), packed)
 
 

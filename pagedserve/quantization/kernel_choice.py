@@ -7,11 +7,14 @@ beside it):
 
 - ``fma``: float32 FMA chains over K (every CPU);
 - ``pairs``: ``vdpbf16ps`` chains over k-pairs (CPUs with AVX512-BF16), twice the products
-  per instruction.
+  per instruction;
+- ``amx``: the pairs' layout in k-steps of 16 pairs, summed by AMX tiles (``TDPBF16PS``,
+  CPUs with AMX and K a multiple of 32; ``csrc/amx_tiles.h``), 16 times the products of
+  ``vdpbf16ps`` per instruction.
 
 Libraries (MKL, oneDNN) are not candidates: they pick summation orders by the row count
 (``benchmarks/packed_gemm.py`` measures them as the peak our kernels are held against).
-The two layouts give different bits, so a machine must make the same choice on every
+The layouts give different bits, so a machine must make the same choice on every
 start: each weight shape is timed once (a few ms to a second), the winner is written to
 ``cache_dir()/kernel_choice.json`` under this CPU's model, flags, torch version, thread
 count and kernel sources, and later starts read it (a noisy timing decides once, it never
@@ -103,6 +106,8 @@ def _time_layouts(weight: torch.Tensor) -> dict[str, float]:
     """Seconds per layout of ``weight``, by ``time_routes``."""
     ops, n = load_cpu_ops(), weight.shape[0]
     packed = {"fma": ops.pack_linear_weight(weight), "pairs": ops.pack_linear_weight_pairs(weight)}
+    if amx_applies(weight.shape[1], 32):
+        packed["amx"] = ops.pack_linear_weight_amx(weight)
     routes = {name: (lambda x, p=p: ops.fixed_order_linear(x, p, n)) for name, p in packed.items()}
     return time_routes(routes, weight.shape[1], weight.dtype)
 
@@ -124,10 +129,16 @@ def choose(what: str, shape: str, time_candidates) -> str:
     return choice
 
 
+def amx_applies(k: int, multiple: int) -> bool:
+    """Whether AMX tiles run here (``amx_bf16``, ``amx_int8``) on a weight of ``k`` input
+    columns, which the tiles take in steps of ``multiple`` (32 bfloat16, 64 int8)."""
+    return k % multiple == 0 and load_cpu_ops().amx_tiles_available()
+
+
 @functools.cache
 def bf16_layout(n: int, k: int) -> str:
-    """``"pairs"`` or ``"fma"``: the layout a bfloat16 weight ``[n, k]`` is packed in here
-    (always ``"fma"`` where the pair kernel is not built)."""
+    """``"amx"``, ``"pairs"`` or ``"fma"``: the layout a bfloat16 weight ``[n, k]`` is packed
+    in here (always ``"fma"`` where the pair kernel is not built)."""
     if not load_cpu_ops().pair_linear_available():
         return "fma"
     weight = lambda: torch.randn(min(n, TIMED_COLUMNS), k, dtype=torch.bfloat16)

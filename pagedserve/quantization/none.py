@@ -4,12 +4,13 @@ dequantized at load), the exact path.
 On CPU, in float32 and bfloat16, each weight is packed once into panels for our
 fixed-order GEMM (``torch.ops.pagedserve.fixed_order_linear``,
 ``csrc/fixed_order_gemm_cpu.cpp``): every output element is one chain of float32 FMAs over
-K in order (for bfloat16 on CPUs with AVX512-BF16 where ``kernel_choice`` measured it
-faster, one chain of ``vdpbf16ps`` over k-pairs), so a row of x gets the same bits alone as
-in a step of any size, chunked or not (batch invariance by construction, where MKL and
-oneDNN choose kernels and summation orders by the row count). The packed copy is the weight's size again. Elsewhere (CUDA,
-float16, autograd, no C++ kernels) ``F.linear``. The other methods keep their float layers
-here too.
+K in order (for bfloat16, where ``kernel_choice`` measured it faster: on CPUs with
+AVX512-BF16 one chain of ``vdpbf16ps`` over k-pairs, on CPUs with AMX one of ``TDPBF16PS``
+over k-steps of 16 pairs), so a row of x gets the same bits alone as in a step of any
+size, chunked or not (batch invariance by construction, where MKL and oneDNN choose
+kernels and summation orders by the row count). The packed copy is the weight's size
+again. Elsewhere (CUDA, float16, autograd, no C++ kernels) ``F.linear``. The other methods
+keep their float layers here too.
 """
 
 from __future__ import annotations
@@ -56,9 +57,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` (float32 or bfloat16, CPU) packed for ``fixed_order_linear``:
     ``[ceil(N / P), K, P]``, P output columns a panel (16 with AVX2, 32 with AVX-512), zero
     past N; or, for a bfloat16 weight where ``kernel_choice`` picks the pair kernel,
-    ``[ceil(N / 64), ceil(K / 2), 64, 2]``."""
+    ``[ceil(N / 64), ceil(K / 2), 64, 2]``, or AMX tiles, ``[ceil(N / 64), K / 32, 16, 64,
+    2]``."""
     ops, weight = load_cpu_ops(), weight.detach()
-    if weight.dtype == torch.bfloat16 and bf16_layout(*weight.shape) == "pairs":
+    layout = bf16_layout(*weight.shape) if weight.dtype == torch.bfloat16 else "fma"
+    if layout == "amx":
+        return ops.pack_linear_weight_amx(weight)
+    if layout == "pairs":
         return ops.pack_linear_weight_pairs(weight)
     return ops.pack_linear_weight(weight)
 
