@@ -310,7 +310,10 @@ def test_greedy_mixed_batch_with_preemption(request, method, ref_llm, prompts):
           f"{got.num_preemptions} preemptions (reference: {expected.num_preemptions})")
 
 
-@pytest.mark.parametrize("method", METHODS)
+# Not ``self``: whether its greedy drafts (the fast path's) ever differ from the exact
+# path's tokens in this batch depends on the CPU's kernels (on an AMX Xeon all 77 agreed);
+# the caching of rejected positions is the scheduler's, the same for every method.
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_rejected_drafts_never_cached(request, method, ref_llm, prompts):
     """The mixed batch rejected drafts; right after it the prefix-cache table held blocks
     of output tokens (positions that were speculated), and every cached hash was a block
