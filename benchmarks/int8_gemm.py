@@ -6,7 +6,8 @@
 Columns, in G(FL)OP/s of ``2 * M * K * N``: ``f32`` = ``F.linear`` on a float32 weight;
 ``int8`` = ``int8_linear`` (per-row activation quantization + ``torch._int_mm`` + scales);
 ``packed`` = ``int8_linear`` on the packed weight (our ``vpdpbusd`` product, CPUs with
-AVX512-VNNI, else ``-``); ``int_mm`` = ``torch._int_mm`` alone on the int8 weight
+AVX512-VNNI, else ``-``); ``amx`` = on the AMX-packed weight (``TDPBUSD`` tiles, CPUs with
+AMX, else ``-``); ``int_mm`` = ``torch._int_mm`` alone on the int8 weight
 ``[N, K]`` passed transposed, as ``int8_linear`` does; ``int_mm KN`` = on a contiguous
 ``[K, N]`` copy. Best of 5 timings.
 """
@@ -51,26 +52,29 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"threads {torch.get_num_threads()}; G(FL)OP/s")
     print(f"{'shape':8s} {'K':>5s} {'N':>6s} {'M':>4s} {'f32':>7s} {'int8':>7s} {'packed':>7s} "
-          f"{'int_mm':>7s} {'int_mm KN':>9s} {'int8/f32':>8s}")
+          f"{'amx':>7s} {'int_mm':>7s} {'int_mm KN':>9s} {'int8/f32':>8s}")
     ops = load_cpu_ops() if cpu_ops_available() else None
     with torch.inference_mode():
         for name, k, n in SHAPES:
             w = torch.randn(n, k, generator=gen)
             q = quantize_weight(w)
             rows = Int8Weight(q.qweight, q.scale)
-            packed = None
+            packed = tiles = None
             if ops is not None and ops.packed_int8_available():
                 packed = Int8Weight(q.qweight, q.scale, ops.pack_int8_weight(q.qweight))
+            if ops is not None and ops.amx_tiles_available() and k % 64 == 0:
+                tiles = Int8Weight(q.qweight, q.scale, ops.pack_int8_weight_amx(q.qweight))
             kn = q.qweight.t().contiguous()
             for m in ROWS:
                 x = torch.randn(m, k, generator=gen)
                 xq, _ = quantize_rows(x)
                 calls = [(F.linear, x, w), (int8_linear, x, rows), (int8_linear, x, packed),
-                         (torch._int_mm, xq, q.qweight.t()), (torch._int_mm, xq, kn)]
+                         (int8_linear, x, tiles), (torch._int_mm, xq, q.qweight.t()),
+                         (torch._int_mm, xq, kn)]
                 times = [best_time(lambda c=c: c[0](c[1], c[2])) if c[2] is not None else None
                          for c in calls]
                 rates = [f"{2 * m * k * n / t / 1e9:{width}.1f}" if t else f"{'-':>{width}s}"
-                         for t, width in zip(times, (7, 7, 7, 7, 9))]
+                         for t, width in zip(times, (7, 7, 7, 7, 7, 9))]
                 print(f"{name:8s} {k:5d} {n:6d} {m:4d} " + " ".join(rates)
                       + f" {times[0] / times[1]:8.2f}", flush=True)
 

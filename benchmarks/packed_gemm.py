@@ -13,7 +13,9 @@ Routes (columns, in GFLOP/s of ``2 * M * K * N``, best of 5 timings):
 - ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` on a oneDNN-reordered weight;
 - ``fma``: ``fixed_order_linear`` on ``pack_linear_weight`` (float32 FMA chains);
 - ``pairs``: ``fixed_order_linear`` on ``pack_linear_weight_pairs`` (bfloat16 only, CPUs
-  with AVX512-BF16: one ``vdpbf16ps`` chain over k-pairs).
+  with AVX512-BF16: one ``vdpbf16ps`` chain over k-pairs);
+- ``amx``: ``fixed_order_linear`` on ``pack_linear_weight_amx`` (bfloat16 only, CPUs with
+  AMX: ``TDPBF16PS`` tiles over k-steps of 16 pairs).
 
 ``peak`` is the best library rate over all shapes and row counts of the run, the
 same-dtype peak the figures are measured against. ``invariant``: whether each route's
@@ -57,6 +59,9 @@ def routes(x: torch.Tensor, w: torch.Tensor) -> dict[str, functools.partial]:
     if w.dtype == torch.bfloat16 and ops.pair_linear_available():
         out["pairs"] = functools.partial(ops.fixed_order_linear, x,
                                          ops.pack_linear_weight_pairs(w), n)
+    if w.dtype == torch.bfloat16 and ops.amx_tiles_available() and w.shape[1] % 32 == 0:
+        out["amx"] = functools.partial(ops.fixed_order_linear, x,
+                                       ops.pack_linear_weight_amx(w), n)
     return out
 
 
@@ -85,7 +90,7 @@ def main() -> None:
     print(f"{'shape':>8} {'K':>5} {'N':>6} {'M':>4} " + " ".join(f"{x:>7}" for x in labels)
           + "  ours/peak  invariant (" + " ".join(labels) + ")")
     for name, k, n, m, rates, invariant in rows:
-        ours = max(rates[label] for label in ("fma", "pairs") if label in rates)
+        ours = max(rates[label] for label in ("fma", "pairs", "amx") if label in rates)
         print(f"{name:>8} {k:5d} {n:6d} {m:4d} " + " ".join(f"{rates[x]:7.1f}" for x in labels)
               + f"  {ours / peak:9.2f}  " + " ".join("y" if invariant[x] else "n" for x in labels))
     print(f"peak (best library rate of the run): {peak:.1f} GFLOP/s")
