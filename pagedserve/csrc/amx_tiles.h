@@ -11,8 +11,9 @@
 // 16 columns is one tile load 256 bytes a row.
 //
 // Batch invariance: each C row is computed from its own A row (the tile's rows never meet),
-// and its sum runs over the k-steps in order from zero, kept in the C tile from the first
-// step to the last: a row's bits are the same whatever the row count and wherever it sits.
+// and its sum runs over the k-steps in order from zero (in a C tile, and between runs of
+// steps in memory: a store and a load are exact): a row's bits are the same whatever the
+// row count and wherever it sits.
 // (TDPBF16PS's bits differ from VDPBF16PS's chain: another layout for kernel_choice.py.
 // TDPBUSD sums integers, exact in any order: the same bits as vpdpbusd.)
 //
