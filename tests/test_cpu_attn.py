@@ -92,6 +92,21 @@ def test_kernel_bfloat16():
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_kernel_bfloat16_rows_match_float32_on_the_same_values(case, two_threads):
+    """A bfloat16 query over a bfloat16 cache (scored by vdpbf16ps where the CPU has it:
+    exact products, float32 sums) equals float32 attention over the same values widened,
+    but for the output's rounding to bfloat16 (2**-9 relative)."""
+    q_lens, contexts, heads, kv_heads, head_dim, bs, window = case
+    query, kv_cache, meta = make_batch(q_lens, contexts, heads, kv_heads, head_dim, bs)
+    query, kv_cache = query.bfloat16(), kv_cache.bfloat16()
+    ref = ReferenceAttention().forward(query.float(), kv_cache.float(), meta, 0.3, window)
+    out = torch.empty_like(query)
+    CpuAttention().ops.paged_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, out, 0.3, window or 0)
+    assert rel_err(out, ref) < 4e-3
+
+
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("backend", [CpuAttention, TorchAttention])
 def test_bfloat16_cache_under_float32_query(case, backend, two_threads):
     """--kv-cache-dtype bfloat16: attention over the bf16 cache equals float32 attention

@@ -88,7 +88,11 @@ def test_greedy_stays_within_rounding_of_transformers(bf16_kv_llm, hf_model, cha
 
 def test_prompt_logprobs_stay_within_rounding_of_transformers(bf16_kv_llm, hf_model,
                                                               chat_prompts):
-    """A prefill attends over the rounded K/V of its own tokens, as the rounding cache."""
+    """A prefill attends over the rounded K/V of its own tokens, as the rounding cache.
+    Within 0.05 plus 0.5% of the logprob: an unlikely token's logit is large, and a K/V
+    element rounded to the neighbouring bfloat16 moves it more (a token at -15.36 was off
+    by 0.040 with one order of attention's float32 sums and 0.075 with another, the
+    likelier tokens of the prompt by at most 0.035 with both)."""
     prompt = chat_prompts[7]
     out = bf16_kv_llm.generate([{"prompt_token_ids": prompt}],
                                SamplingParams(max_tokens=1, prompt_logprobs=0),
@@ -97,4 +101,4 @@ def test_prompt_logprobs_stay_within_rounding_of_transformers(bf16_kv_llm, hf_mo
     ref = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     ours = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob
                          for i in range(1, len(prompt))])
-    torch.testing.assert_close(ours, ref, atol=0.05, rtol=0)
+    torch.testing.assert_close(ours, ref, atol=0.05, rtol=0.005)

@@ -14,14 +14,17 @@
 // positions p with p <= pos and (window == 0 or p > pos - window).
 //
 // Softmax is computed online over tiles of 64 keys, across blocks (Milakov & Gimelshein
-// 2018, "Online normalizer calculation for softmax"): per tile, KV head and query head,
-// the scores (eight keys at a time, their horizontal sums sharing shuffles), exponentials
-// a register at a time, one rescale of the running max and sum, then V. A decode step
+// 2018, "Online normalizer calculation for softmax"): per tile and KV head, each query
+// head sharing it gets its scores (eight keys at a time, their horizontal sums sharing
+// shuffles), exponentials a register at a time and one rescale of the running max and
+// sum; then all of them accumulate V together, each V row loaded once. A decode step
 // reads every layer's context from DRAM once, and the blocks are scattered over pages the
 // hardware prefetcher does not follow, so the next tile's rows are prefetched while this
 // one computes. Head sizes 64 and 128 get register-blocked loops (AVX-512 registers where
 // the CPU has them); other sizes take plain loops the compiler vectorizes.
-// All arithmetic is float32 whatever the storage dtype (bfloat16 converts in registers).
+// All arithmetic is float32 whatever the storage dtype (bfloat16 converts in registers);
+// a bfloat16 query against a bfloat16 cache scores by vdpbf16ps where the CPU has it
+// (exact products, float32 sums: dot_keys_bf16).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -133,27 +136,89 @@ inline void dot_keys(const float* q, const T* const* rows, int64_t offset, int64
   }
 }
 
-// acc[0:D] += sum_j p[j] * (rows[j] + offset)[0:D] for D = kLanes * kChunks; the
-// accumulator stays in registers across the keys.
-template <int kChunks, typename T>
+#ifdef __AVX512BF16__
+// scores[j] = scale * (q . k_j) for a bfloat16 query head and bfloat16 keys, D = 32 * kRegs:
+// vdpbf16ps multiplies 32 bfloat16 pairs into 16 float32 lanes (exact products, float32
+// sums), so the keys are used as stored, not widened first: a third of the instructions
+// of the float32 loop. Eight keys at a time, their horizontal sums sharing shuffles.
+template <int kRegs>
+inline void dot_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* const* rows,
+                          int64_t offset, int64_t n, float scale, float* scores) {
+  __m512bh qv[kRegs];
+  for (int c = 0; c < kRegs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  auto dot = [&](const c10::BFloat16* k) {
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(k));
+    for (int c = 1; c < kRegs; ++c)
+      a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    return fold8(reinterpret_cast<vf>(a));
+  };
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    v8f acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = dot(rows[j + i] + offset);
+    const v8f sums = sum8x8(acc) * scale;
+    std::memcpy(scores + j, &sums, sizeof(sums));
+  }
+  for (; j < n; ++j) scores[j] = sum8(dot(rows[j] + offset)) * scale;
+}
+#endif
+
+// acc[h][0:D] += sum_j p[h][j] * (rows[j] + offset)[0:D] for kH query heads sharing one
+// KV head (D = kLanes * kChunks; acc rows D apart, p rows kTileKeys apart): each V row is
+// loaded and widened once for all of them, and the accumulators stay in registers across
+// the keys. An FMA waits 4 cycles for the previous one into the same register: with fewer
+// than 8 chains (heads x chunks), even and odd keys get accumulators of their own.
+template <int kChunks, int kH, typename T>
 inline void accumulate_v(float* acc, const float* p, const T* const* rows, int64_t offset,
                          int64_t n) {
-  // Two accumulators per chunk, for even and odd keys: an FMA waits 4 cycles for the
-  // previous one into the same register, and kChunks chains alone do not fill that.
-  vf a[kChunks], b[kChunks];
-  for (int c = 0; c < kChunks; ++c) a[c] = loadv(acc + kLanes * c), b[c] = vf{};
+  constexpr int64_t D = kLanes * kChunks;
+  constexpr bool kSplit = kH * kChunks < 8;
+  vf a[kH][kChunks], b[kH][kChunks];
+  for (int h = 0; h < kH; ++h)
+    for (int c = 0; c < kChunks; ++c) a[h][c] = loadv(acc + h * D + kLanes * c), b[h][c] = vf{};
   int64_t j = 0;
-  for (; j + 2 <= n; j += 2) {
-    const T* v0 = rows[j] + offset;
-    const T* v1 = rows[j + 1] + offset;
-    for (int c = 0; c < kChunks; ++c) {
-      a[c] += p[j] * loadv(v0 + kLanes * c);
-      b[c] += p[j + 1] * loadv(v1 + kLanes * c);
+  if constexpr (kSplit)
+    for (; j + 2 <= n; j += 2) {
+      const T* v0 = rows[j] + offset;
+      const T* v1 = rows[j + 1] + offset;
+      for (int c = 0; c < kChunks; ++c) {
+        const vf x0 = loadv(v0 + kLanes * c), x1 = loadv(v1 + kLanes * c);
+        for (int h = 0; h < kH; ++h) {
+          a[h][c] += p[h * kTileKeys + j] * x0;
+          b[h][c] += p[h * kTileKeys + j + 1] * x1;
+        }
+      }
     }
+  for (; j < n; ++j)
+    for (int c = 0; c < kChunks; ++c) {
+      const vf x = loadv(rows[j] + offset + kLanes * c);
+      for (int h = 0; h < kH; ++h) a[h][c] += p[h * kTileKeys + j] * x;
+    }
+  for (int h = 0; h < kH; ++h)
+    for (int c = 0; c < kChunks; ++c) storev(acc + h * D + kLanes * c, a[h][c] + b[h][c]);
+}
+
+// accumulate_v for a KV head's `group` query heads, as many at a time as the registers
+// hold (accumulators and one V row: 32 registers with AVX-512, 16 with AVX2).
+template <int kChunks, typename T>
+inline void accumulate_v_group(float* acc, const float* p, const T* const* rows,
+                               int64_t offset, int64_t n, int64_t group) {
+  constexpr int kRegisters = kLanes == 16 ? 32 : 16;
+  constexpr int kMaxH = std::clamp((kRegisters - kChunks) / kChunks, 1, 4);
+  constexpr int64_t D = kLanes * kChunks;
+  for (int64_t h = 0; h < group; h += kMaxH) {
+    float* acc_h = acc + h * D;
+    const float* p_h = p + h * kTileKeys;
+    const int64_t heads = std::min<int64_t>(kMaxH, group - h);
+    if (kMaxH >= 4 && heads == 4)
+      accumulate_v<kChunks, std::min(kMaxH, 4)>(acc_h, p_h, rows, offset, n);
+    else if (kMaxH >= 3 && heads == 3)
+      accumulate_v<kChunks, std::min(kMaxH, 3)>(acc_h, p_h, rows, offset, n);
+    else if (kMaxH >= 2 && heads == 2)
+      accumulate_v<kChunks, std::min(kMaxH, 2)>(acc_h, p_h, rows, offset, n);
+    else
+      accumulate_v<kChunks, 1>(acc_h, p_h, rows, offset, n);
   }
-  if (j < n)
-    for (int c = 0; c < kChunks; ++c) a[c] += p[j] * loadv(rows[j] + offset + kLanes * c);
-  for (int c = 0; c < kChunks; ++c) storev(acc + kLanes * c, a[c] + b[c]);
 }
 
 // The same for any D (the compiler vectorizes the loops over it).
@@ -245,17 +310,27 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
                 const int64_t* table, int64_t lo, int64_t hi,  // keys [lo, hi)
                 int64_t block_size, int64_t token_stride, int64_t kv_heads, int64_t group,
                 int64_t head_dim, float scale, scalar_t* out) {
-  // Per tile and KV head, then per query head sharing it (GQA): its scores against the
-  // tile's keys, the online-softmax rescale, then its V accumulation. One KV head's K
-  // and V rows of a tile (32 KB for 64 keys of 64 floats) stay in L1 for its query heads.
+  // Per tile and KV head: each query head sharing it (GQA) scores the tile's keys and
+  // rescales its running sums (online softmax), then all of them accumulate V together.
+  // One KV head's K and V rows of a tile (16 KB for 64 keys of 64 bfloat16) stay in L1
+  // for its query heads.
   const int64_t D = kD > 0 ? kD : head_dim;
   const int64_t num_heads = kv_heads * group;
   std::vector<float> qf(num_heads * D), acc(num_heads * D, 0.f);
   std::vector<float> m(num_heads, -INFINITY), l(num_heads, 0.f);
-  alignas(64) float scores[kTileKeys];
+  std::vector<float> scores(group * kTileKeys);  // [group, kTileKeys]: this KV head's
   const cache_t* krows[2][kTileKeys];
   const cache_t* vrows[2][kTileKeys];
-  for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  // Both bfloat16 with kD a multiple of 32: vdpbf16ps over the query as given, where the CPU
+  // has it (the query's bits are the model's; scaling the score after is exact for D = 64).
+#ifdef __AVX512BF16__
+  constexpr bool kDotBf16 = std::is_same_v<scalar_t, c10::BFloat16> &&
+                            std::is_same_v<cache_t, c10::BFloat16> && kD > 0 && kD % 32 == 0;
+#else
+  constexpr bool kDotBf16 = false;
+#endif
+  if constexpr (!kDotBf16)
+    for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
 
   int64_t n = std::min(kTileKeys, hi - lo);
   tile_rows(k_base, v_base, table, lo, n, block_size, token_stride, krows[0], vrows[0]);
@@ -267,24 +342,29 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
               krows[t ^ 1], vrows[t ^ 1]);
     for (int64_t g = 0; g < kv_heads; ++g) {
       const int64_t offset = g * D;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      for (int64_t i = 0; i < group; ++i) {
         // Each query head asks for its share of the next tile's rows of this KV head: in
         // smaller bursts than all at once, 7-15% faster decode steps (36 x 300 keys).
-        const int64_t i = h - g * group, p0 = next_n * i / group, p1 = next_n * (i + 1) / group;
+        const int64_t h = g * group + i, p0 = next_n * i / group, p1 = next_n * (i + 1) / group;
         prefetch_rows(krows[t ^ 1] + p0, vrows[t ^ 1] + p0, p1 - p0, offset, D);
-        float* acc_h = acc.data() + h * D;
-        if constexpr (kD > 0)
-          dot_keys<kD / kLanes>(qf.data() + h * D, krows[t], offset, n, scores);
-        else
-          dot_keys_any(qf.data() + h * D, krows[t], offset, n, D, scores);
-        const float correction = softmax_tile(scores, n, m[h], l[h]);
+        float* scores_h = scores.data() + i * kTileKeys;
+#ifdef __AVX512BF16__
+        if constexpr (kDotBf16)
+          dot_keys_bf16<kD / 32>(q + h * D, krows[t], offset, n, scale, scores_h);
+#endif
+        if constexpr (!kDotBf16 && kD > 0)
+          dot_keys<kD / kLanes>(qf.data() + h * D, krows[t], offset, n, scores_h);
+        else if constexpr (!kDotBf16)
+          dot_keys_any(qf.data() + h * D, krows[t], offset, n, D, scores_h);
+        const float correction = softmax_tile(scores_h, n, m[h], l[h]);
         if (correction != 1.f)
-          for (int64_t d = 0; d < D; ++d) acc_h[d] *= correction;
-        if constexpr (kD > 0)
-          accumulate_v<kD / kLanes>(acc_h, scores, vrows[t], offset, n);
-        else
-          accumulate_v_any(acc_h, scores, vrows[t], offset, n, D);
+          for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= correction;
+        if constexpr (kD == 0)
+          accumulate_v_any(acc.data() + h * D, scores_h, vrows[t], offset, n, D);
       }
+      if constexpr (kD > 0)
+        accumulate_v_group<kD / kLanes>(acc.data() + g * group * D, scores.data(), vrows[t],
+                                        offset, n, group);
     }
     n = next_n;
   }
