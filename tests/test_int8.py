@@ -65,47 +65,41 @@ def test_cpu_kernels_equal_the_pytorch_ops_bit_for_bit(monkeypatch, dtype, with_
     assert q[5, :4].tolist() == [0, 2, -2, 127]
 
 
-@pytest.mark.skipif(not load_cpu_ops().packed_int8_available(), reason="no AVX512-VNNI here")
+# Our two packed int8 products: (packing op, K's step)
+PACKINGS = {"vpdpbusd": ("pack_int8_weight", 1), "amx": ("pack_int8_weight_amx", 64)}
+
+
+@pytest.mark.parametrize("product", [
+    pytest.param("vpdpbusd", marks=pytest.mark.skipif(
+        not load_cpu_ops().packed_int8_available(), reason="no AVX512-VNNI here")),
+    pytest.param("amx", marks=pytest.mark.skipif(
+        not load_cpu_ops().amx_tiles_available(), reason="no AMX here"))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 96), (37, 50, 97), (200, 130, 2048), (450, 700, 576)])
-def test_packed_product_equals_int_mm_bit_for_bit(dtype, m, n, k):
-    """Our vpdpbusd product on the packed weight (csrc/int8_ops_cpu.cpp) sums the same
-    int32s as torch._int_mm, so gives the same bits: any M (chunks of 192 rows), N (tails
-    of a 64-column panel), K (tails of a quad), a bias, and rows and weight rows of one
-    sign (the largest sums: x + 128 as u8 must not overflow)."""
+def test_packed_product_equals_int_mm_bit_for_bit(product, dtype, m, n, k):
+    """Our products on a packed weight (csrc/int8_ops_cpu.cpp: vpdpbusd, or AMX's TDPBUSD
+    tiles) sum the same int32s as torch._int_mm, so give the same bits: any M (chunks of
+    192 rows, tails of 16-row tiles), N (tails of a 64-column panel), K (tails of a quad;
+    AMX: K rounded up to its steps of 64), a bias, and rows and weight rows of one sign
+    (the largest sums: x + 128 as u8 must not overflow)."""
+    pack, k_step = PACKINGS[product]
+    ops = load_cpu_ops()
+    k = -(-k // k_step) * k_step
     gen = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     x[0], w[0] = x[0].abs(), -w[0].abs()
     bias = torch.randn(n, generator=gen).to(dtype)
     q = quantize_weight(w)
     plain = Int8Weight(q.qweight, q.scale)
-    packed = Int8Weight(q.qweight, q.scale, load_cpu_ops().pack_int8_weight(q.qweight))
+    packed = Int8Weight(q.qweight, q.scale, getattr(ops, pack)(q.qweight))
     x = x.to(dtype)
     assert torch.equal(int8_linear(x, packed, bias), int8_linear(x, plain, bias))
     assert torch.equal(int8_linear(x, packed), int8_linear(x, plain))
     with pytest.raises(RuntimeError, match="x has K = 3"):
         int8_linear(x[:, :3], packed)
-
-
-@pytest.mark.skipif(not load_cpu_ops().amx_tiles_available(), reason="no AMX here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (37, 50, 128), (200, 130, 2048), (450, 700, 576)])
-def test_amx_product_equals_int_mm_bit_for_bit(dtype, m, n, k):
-    """TDPBUSD tiles on the AMX-packed weight sum the same int32s as torch._int_mm: any M
-    (tails of 16-row tiles), N (tails of a 64-column panel), K in steps of 64, a bias, and
-    rows and weight rows of one sign (the largest sums)."""
-    gen = torch.Generator().manual_seed(m)
-    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
-    x[0], w[0] = x[0].abs(), -w[0].abs()
-    bias = torch.randn(n, generator=gen).to(dtype)
-    q = quantize_weight(w)
-    plain = Int8Weight(q.qweight, q.scale)
-    tiles = Int8Weight(q.qweight, q.scale, load_cpu_ops().pack_int8_weight_amx(q.qweight))
-    x = x.to(dtype)
-    assert torch.equal(int8_linear(x, tiles, bias), int8_linear(x, plain, bias))
-    assert torch.equal(int8_linear(x, tiles), int8_linear(x, plain))
-    with pytest.raises(RuntimeError, match="K a multiple of 64"):
-        load_cpu_ops().pack_int8_weight_amx(q.qweight[:, :32])
+    if k_step > 1:
+        with pytest.raises(RuntimeError, match=f"K a multiple of {k_step}"):
+            getattr(ops, pack)(q.qweight[:, : k_step // 2])
 
 
 def test_a_row_result_does_not_depend_on_other_rows():

@@ -29,8 +29,9 @@ def pairs_available() -> bool:
 
 needs_pairs = pytest.mark.skipif(not cpu_ops_available() or not pairs_available(),
                                  reason="this CPU has no AVX512-BF16")
-needs_amx = pytest.mark.skipif(not cpu_ops_available() or not load_cpu_ops().amx_tiles_available(),
-                               reason="this CPU has no AMX")
+needs_amx = pytest.mark.skipif(
+    not cpu_ops_available() or not load_cpu_ops().amx_tiles_available(),
+    reason="this CPU has no AMX")
 
 
 def assert_near_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -42,18 +43,29 @@ def assert_near_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     assert bool(((out.double() - exact).abs() <= sums * (1 + 2**-8) + exact.abs() * 2**-8).all())
 
 
-@needs_pairs
+# The two bfloat16 layouts beside FMA: (packing op, K's step, the packed shape for n, k)
+LAYOUTS = {"pairs": ("pack_linear_weight_pairs", 1,
+                     lambda n, k: ((n + 63) // 64, (k + 1) // 2, 64, 2)),
+           "amx": ("pack_linear_weight_amx", 32,
+                   lambda n, k: ((n + 63) // 64, k // 32, 16, 64, 2))}
+
+
+@pytest.mark.parametrize("layout", [pytest.param("pairs", marks=needs_pairs),
+                                    pytest.param("amx", marks=needs_amx)])
 @settings(max_examples=12, deadline=None)
 @given(m=st.integers(1, 300), n=st.sampled_from([1, 63, 64, 200, 960]),
        k=st.sampled_from([1, 2, 97, 576, 1537]), seed=st.integers(0, 2**31))
-def test_pair_kernel_matches_float64_and_is_row_invariant(m, n, k, seed):
-    """Any N (tails of a 64-column panel), any K (odd: the last pair half zero), any M."""
+def test_kernel_matches_float64_and_is_row_invariant(layout, m, n, k, seed):
+    """Any N (tails of a 64-column panel), any K (pairs: odd, the last pair half zero;
+    AMX: rounded up to its steps of 32), any M (AMX: tails of 16-row tiles)."""
+    pack, k_step, shape = LAYOUTS[layout]
+    k = -(-k // k_step) * k_step
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     x = torch.randn(m, k, generator=gen).bfloat16()
     ops = load_cpu_ops()
-    packed = ops.pack_linear_weight_pairs(weight)
-    assert packed.shape == ((n + 63) // 64, (k + 1) // 2, 64, 2)
+    packed = getattr(ops, pack)(weight)
+    assert packed.shape == shape(n, k)
     multiply = lambda rows: ops.fixed_order_linear(rows, packed, n)
     out = multiply(x)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
@@ -74,26 +86,6 @@ def test_pair_kernel_rejects_what_it_cannot_multiply():
     with pytest.raises(RuntimeError, match="weight must be a bfloat16"):
         ops.pack_linear_weight_pairs(torch.randn(64, 32))
     assert ops.fixed_order_linear(torch.empty(0, 32).bfloat16(), packed, 64).shape == (0, 64)
-
-
-@needs_amx
-@settings(max_examples=12, deadline=None)
-@given(m=st.integers(1, 300), n=st.sampled_from([1, 63, 64, 200, 960]),
-       k=st.sampled_from([32, 96, 576, 1536]), seed=st.integers(0, 2**31))
-def test_amx_kernel_matches_float64_and_is_row_invariant(m, n, k, seed):
-    """Any N (tails of a 64-column panel), K in whole k-steps of 32, any M (tails of 16-row
-    tiles)."""
-    gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(n, k, generator=gen).bfloat16()
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    ops = load_cpu_ops()
-    packed = ops.pack_linear_weight_amx(weight)
-    assert packed.shape == ((n + 63) // 64, k // 32, 16, 64, 2)
-    multiply = lambda rows: ops.fixed_order_linear(rows, packed, n)
-    out = multiply(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    assert_near_float64(out, x, weight)
-    assert_rows_invariant(multiply, x)
 
 
 @needs_amx
