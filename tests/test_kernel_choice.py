@@ -73,32 +73,24 @@ def test_kernel_matches_float64_and_is_row_invariant(layout, m, n, k, seed):
     assert_rows_invariant(multiply, x)
 
 
-@needs_pairs
-def test_pair_kernel_rejects_what_it_cannot_multiply():
-    ops = load_cpu_ops()
-    packed = ops.pack_linear_weight_pairs(torch.randn(64, 32).bfloat16())
-    with pytest.raises(RuntimeError, match="pair-packed weights take bfloat16 rows"):
-        ops.fixed_order_linear(torch.randn(2, 32), packed, 64)
-    with pytest.raises(RuntimeError, match="x has K = 30 and N = 64"):
-        ops.fixed_order_linear(torch.randn(2, 30).bfloat16(), packed, 64)
-    with pytest.raises(RuntimeError, match="x has K = 32 and N = 65"):
-        ops.fixed_order_linear(torch.randn(2, 32).bfloat16(), packed, 65)
-    with pytest.raises(RuntimeError, match="weight must be a bfloat16"):
-        ops.pack_linear_weight_pairs(torch.randn(64, 32))
-    assert ops.fixed_order_linear(torch.empty(0, 32).bfloat16(), packed, 64).shape == (0, 64)
-
-
-@needs_amx
-def test_amx_kernel_rejects_what_it_cannot_multiply():
-    ops = load_cpu_ops()
-    packed = ops.pack_linear_weight_amx(torch.randn(64, 32).bfloat16())
-    with pytest.raises(RuntimeError, match="AMX-packed weights take bfloat16 rows"):
-        ops.fixed_order_linear(torch.randn(2, 32), packed, 64)
+@pytest.mark.parametrize("layout, name, bad_weight, error", [
+    pytest.param("pairs", "pair", torch.randn(64, 32), "weight must be a bfloat16",
+                 marks=needs_pairs),
+    pytest.param("amx", "AMX", torch.randn(64, 48).bfloat16(), "K a multiple of 32",
+                 marks=needs_amx)])
+def test_kernel_rejects_what_it_cannot_multiply(layout, name, bad_weight, error):
+    pack = getattr(load_cpu_ops(), LAYOUTS[layout][0])
+    multiply = load_cpu_ops().fixed_order_linear
+    packed = pack(torch.randn(64, 32).bfloat16())
+    with pytest.raises(RuntimeError, match=f"{name}-packed weights take bfloat16 rows"):
+        multiply(torch.randn(2, 32), packed, 64)
     with pytest.raises(RuntimeError, match="x has K = 64 and N = 64"):
-        ops.fixed_order_linear(torch.randn(2, 64).bfloat16(), packed, 64)
-    with pytest.raises(RuntimeError, match="K a multiple of 32"):
-        ops.pack_linear_weight_amx(torch.randn(64, 48).bfloat16())
-    assert ops.fixed_order_linear(torch.empty(0, 32).bfloat16(), packed, 64).shape == (0, 64)
+        multiply(torch.randn(2, 64).bfloat16(), packed, 64)
+    with pytest.raises(RuntimeError, match="x has K = 32 and N = 65"):
+        multiply(torch.randn(2, 32).bfloat16(), packed, 65)
+    with pytest.raises(RuntimeError, match=error):
+        pack(bad_weight)
+    assert multiply(torch.empty(0, 32).bfloat16(), packed, 64).shape == (0, 64)
 
 
 @pytest.fixture
