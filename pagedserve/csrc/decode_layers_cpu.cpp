@@ -50,8 +50,9 @@ constexpr int64_t kTensorsPerLayer = 10;
 constexpr int64_t kInt8 = -1, kFloat = -2;
 
 // x [T, K] @ W^T as the layer's method (apply) computes it. a, b: GGUF blocks and an empty
-// tensor; int8 rows [N, K] (or their packed copy, 4-D or 5-D) and their float32 scales [N]; a float
-// weight [N, K] and its packed copy for fixed_order_linear (empty if none).
+// tensor; int8 rows [N, K] (or their packed copy, 4-D or, for AMX tiles, 5-D) and their
+// float32 scales [N]; a float weight [N, K] and its packed copy for fixed_order_linear
+// (empty if none).
 torch::Tensor project(const torch::Tensor& a, const torch::Tensor& b, int64_t kind,
                       const torch::Tensor& x) {
   if (kind == kInt8) {
