@@ -34,8 +34,8 @@
 // chain's; which of the two a weight uses is chosen once per CPU (kernel_choice.py).
 //
 // Tiles (CPUs with AMX): the pair layout is already AMX's B tiles (amx_tiles.h), and
-// TDPBF16PS runs each output as one chain over k-steps of 16 pairs in order, kept in a tile
-// register from the first to the last; its bits differ from vdpbf16ps's (another order of
+// TDPBF16PS runs each output as one chain over k-steps of 16 pairs in order (in a tile
+// register, and between runs of steps in memory, exactly); its bits differ from vdpbf16ps's (another order of
 // the products inside a step), so it is a third layout, chosen as the other two.
 
 #include <torch/extension.h>

@@ -316,19 +316,20 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
   // for its query heads.
   const int64_t D = kD > 0 ? kD : head_dim;
   const int64_t num_heads = kv_heads * group;
-  std::vector<float> qf(num_heads * D), acc(num_heads * D, 0.f);
-  std::vector<float> m(num_heads, -INFINITY), l(num_heads, 0.f);
-  std::vector<float> scores(group * kTileKeys);  // [group, kTileKeys]: this KV head's
-  const cache_t* krows[2][kTileKeys];
-  const cache_t* vrows[2][kTileKeys];
   // Both bfloat16 with kD a multiple of 32: vdpbf16ps over the query as given, where the CPU
-  // has it (the query's bits are the model's; scaling the score after is exact for D = 64).
+  // has it (the query's bits are the model's; scaling the score after is exact for D = 64);
+  // else the query widened and scaled, qf.
 #ifdef __AVX512BF16__
   constexpr bool kDotBf16 = std::is_same_v<scalar_t, c10::BFloat16> &&
                             std::is_same_v<cache_t, c10::BFloat16> && kD > 0 && kD % 32 == 0;
 #else
   constexpr bool kDotBf16 = false;
 #endif
+  std::vector<float> qf(kDotBf16 ? 0 : num_heads * D), acc(num_heads * D, 0.f);
+  std::vector<float> m(num_heads, -INFINITY), l(num_heads, 0.f);
+  std::vector<float> scores(group * kTileKeys);  // [group, kTileKeys]: this KV head's
+  const cache_t* krows[2][kTileKeys];
+  const cache_t* vrows[2][kTileKeys];
   if constexpr (!kDotBf16)
     for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
 
