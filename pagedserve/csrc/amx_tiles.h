@@ -56,13 +56,20 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// LDTILECFG. The barrier first: GCC may see no read of the config in the builtin and drop
+// the stores to it (an out-of-line copy once kept only the palette: an invalid config).
+inline void load_config(const TileConfig& config) {
+  asm volatile("" : : "m"(config) : "memory");
+  _tile_loadconfig(&config);
+}
+
 inline void configure(int rows) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.colsb[t] = 64;
     config.rows[t] = t < 5 ? rows : kRows;
   }
-  _tile_loadconfig(&config);
+  load_config(config);
 }
 
 enum class Product { kBf16Pairs, kInt8Quads };

@@ -64,6 +64,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define PAGEDSERVE_A8_AVX512 1
+#include "amx_tiles.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PAGEDSERVE_A8_AVX2 1
@@ -208,14 +209,25 @@ void check_blocks(const torch::Tensor& t, int64_t type, bool mxfp4, const char* 
               " bytes are not whole blocks of ", block_bytes(type));
 }
 
-// x's rows quantized per block of 32, each row's quants in x's order.
+// x's rows quantized per block of 32. The quants in groups of group_rows rows, and per
+// group block after block, its rows' 32 quants each: [M / group_rows][blocks][group_rows]
+// [32] (x's order for one row a group; 16 for AMX tiles, an A tile's bytes together).
 struct ActivationBlocks {
-  int64_t blocks_per_row;
-  std::vector<int8_t> q;     // [M, K]
+  int64_t blocks_per_row, group_rows;
+  std::vector<int8_t> q;
   std::vector<float> d;      // [M, blocks]
   std::vector<float> s;      // [M, blocks]: d * sum(q)
   std::vector<int32_t> sum;  // [M, blocks]: sum(q)
   std::vector<int32_t> sum_low;  // [M, blocks]: the sum of the block's first 16 q
+
+  // Row m's quants of block b.
+  int8_t* quants(int64_t m, int64_t b) {
+    return q.data() + ((m / group_rows * blocks_per_row + b) * group_rows + m % group_rows) *
+                          kBlock;
+  }
+  const int8_t* quants(int64_t m, int64_t b) const {
+    return const_cast<ActivationBlocks*>(this)->quants(m, b);
+  }
 };
 
 // 1.5 * 2^23: for |v| <= 2^22, (v + kRoundMagic) - kRoundMagic is v rounded half to even
@@ -448,9 +460,12 @@ inline Lanes::I dot_u8_block(const Lanes::I w[8], const int32_as_bytes* a4, int 
 
 // A format says, for kRows rows of a tile: how to load a block's scales (once per block,
 // shared by every row of x), its quants as 8 registers (register k pairing with
-// activation quants 4k..4k+3), how the block adds to one row of x's outputs
-// (accumulate), and what applies to the sums after the last block (finish; the tile's
-// tail holds what it needs).
+// activation quants 4k..4k+3), the block's exact integer dot products with one row of x
+// (dots: kDots of them, NVFP4's two halves apart), how those add to the row's float32
+// sums (add: the one place the sums' bits are made, shared with the AMX tiles below), and
+// what applies to the sums after the last block (finish; the tile's tail holds what it
+// needs). For AMX tiles also the quants' values as they are (values: the B tile's 8 rows,
+// unsigned where kUnsignedValues, else signed).
 struct NoTail {
   static inline Lanes::F finish(Lanes::F acc, const uint8_t*, int64_t) { return acc; }
 };
@@ -473,27 +488,48 @@ struct TwoScales {
   }
 };
 
+// A block whose dot products take one scale: sum += dots * (s da).
+struct OneScale {
+  struct Scales { Lanes::F d; };
+  static constexpr int kDots = 1;
+  static inline Lanes::F add(Lanes::F acc, const Scales& s, const Lanes::I* dots,
+                             const ActivationBlocks& a, int64_t i) {
+    return Lanes::fma(Lanes::cvt(dots[0]), Lanes::mul(s.d, a.d[i]), acc);
+  }
+};
+
 struct Q4_1 : Q4_1Layout, NoTail {
   using Scales = TwoScales;  // d, m
+  static constexpr int kDots = 1;
+  static constexpr bool kUnsignedValues = true;
   static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
     return TwoScales::load(blk, lane_offset);
   }
   static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
     nibbles(qs, lane_offset, w);
   }
-  static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
-                                    const int32_as_bytes* a4, const ActivationBlocks& a,
-                                    int64_t i) {
-    acc = Lanes::fma(Lanes::cvt(dot_u8_block(w, a4)), Lanes::mul(s.first, a.d[i]), acc);
+  static inline void values(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
+    nibbles(qs, lane_offset, w);
+  }
+  static inline void dots(const Lanes::I w[8], const int32_as_bytes* a4,
+                          const ActivationBlocks&, int64_t, Lanes::I out[1]) {
+    out[0] = dot_u8_block(w, a4);
+  }
+  static inline Lanes::F add(Lanes::F acc, const Scales& s, const Lanes::I* dots,
+                             const ActivationBlocks& a, int64_t i) {
+    acc = Lanes::fma(Lanes::cvt(dots[0]), Lanes::mul(s.first, a.d[i]), acc);
     return Lanes::fma(s.second, a.s[i], acc);
   }
 };
 
 // Q8_0's integer dot products (two ways, below), then d da.
-struct Q8_0Scales : Q8_0Layout, NoTail {
-  struct Scales { Lanes::F d; };
+struct Q8_0Scales : Q8_0Layout, NoTail, OneScale {
+  static constexpr bool kUnsignedValues = false;
   static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
     return {Lanes::scales(blk + lane_offset / 2)};
+  }
+  static inline void values(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
+    for (int c = 0; c < 8; ++c) w[c] = Lanes::load(qs + c * 4 * kTileRows + lane_offset);
   }
 };
 
@@ -505,11 +541,9 @@ struct Q8_0 : Q8_0Scales {
     for (int c = 0; c < 8; ++c)
       w[c] = Lanes::flip_sign_bits(Lanes::load(qs + c * 4 * kTileRows + lane_offset));
   }
-  static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
-                                    const int32_as_bytes* a4, const ActivationBlocks& a,
-                                    int64_t i) {
-    const Lanes::I dots = Lanes::add(dot_u8_block(w, a4), -128 * a.sum[i]);
-    return Lanes::fma(Lanes::cvt(dots), Lanes::mul(s.d, a.d[i]), acc);
+  static inline void dots(const Lanes::I w[8], const int32_as_bytes* a4,
+                          const ActivationBlocks& a, int64_t i, Lanes::I out[1]) {
+    out[0] = Lanes::add(dot_u8_block(w, a4), -128 * a.sum[i]);
   }
 };
 #else
@@ -517,59 +551,67 @@ struct Q8_0 : Q8_0Scales {
 // within int16 (|q| <= 128, |a| <= 127).
 struct Q8_0 : Q8_0Scales {
   static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
-    for (int c = 0; c < 8; ++c) w[c] = Lanes::load(qs + c * 4 * kTileRows + lane_offset);
+    values(qs, lane_offset, w);
   }
-  static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
-                                    const int32_as_bytes* a4, const ActivationBlocks& a,
-                                    int64_t i) {
-    Lanes::I dots = Lanes::zero();
+  static inline void dots(const Lanes::I w[8], const int32_as_bytes* a4,
+                          const ActivationBlocks&, int64_t, Lanes::I out[1]) {
+    Lanes::I sum = Lanes::zero();
     for (int k = 0; k < 8; ++k) {
       const Lanes::I av = _mm256_set1_epi32(a4[k]);
       const Lanes::I p =
           _mm256_maddubs_epi16(_mm256_sign_epi8(w[k], w[k]), _mm256_sign_epi8(av, w[k]));
-      dots = _mm256_add_epi32(dots, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
     }
-    return Lanes::fma(Lanes::cvt(dots), Lanes::mul(s.d, a.d[i]), acc);
+    out[0] = sum;
   }
 };
 #endif
 
-// FP4 codes looked up as kFP4Biased (unsigned), in Q4_1's nibble order.
+// FP4 codes looked up as kFP4Biased (unsigned, for vpdpbusd), in Q4_1's nibble order; for
+// AMX tiles as kFP4Values (signed).
 struct FP4Codes {
+  static constexpr bool kUnsignedValues = false;
   static inline void quants(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
-    const Lanes::I table = Lanes::table(kFP4Biased.v);
+    lookup(kFP4Biased, qs, lane_offset, w);
+  }
+  static inline void values(const uint8_t* qs, int64_t lane_offset, Lanes::I w[8]) {
+    lookup(kFP4Values, qs, lane_offset, w);
+  }
+  static inline void lookup(const FP4Table& t, const uint8_t* qs, int64_t lane_offset,
+                            Lanes::I w[8]) {
+    const Lanes::I table = Lanes::table(t.v);
     nibbles(qs, lane_offset, w);
     for (int k = 0; k < 8; ++k) w[k] = Lanes::lookup(table, w[k]);
   }
 };
 
-struct MXFP4 : MXFP4Layout, FP4Codes, NoTail {
-  struct Scales { Lanes::F d; };
+struct MXFP4 : MXFP4Layout, FP4Codes, NoTail, OneScale {
   static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
     return {Lanes::e8m0_half(blk + lane_offset / 4)};
   }
-  static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
-                                    const int32_as_bytes* a4, const ActivationBlocks& a,
-                                    int64_t i) {
-    const Lanes::I dots = Lanes::add(dot_u8_block(w, a4), -kFP4Bias * a.sum[i]);
-    return Lanes::fma(Lanes::cvt(dots), Lanes::mul(s.d, a.d[i]), acc);
+  static inline void dots(const Lanes::I w[8], const int32_as_bytes* a4,
+                          const ActivationBlocks& a, int64_t i, Lanes::I out[1]) {
+    out[0] = Lanes::add(dot_u8_block(w, a4), -kFP4Bias * a.sum[i]);
   }
 };
 
 struct NVFP4 : NVFP4Layout, FP4Codes {
   using Scales = TwoScales;  // of quants 0..15, of quants 16..31
+  static constexpr int kDots = 2;
   static inline Scales scales(const uint8_t* blk, int64_t lane_offset) {
     return TwoScales::load(blk, lane_offset);
   }
-  static inline Lanes::F accumulate(Lanes::F acc, const Scales& s, const Lanes::I w[8],
-                                    const int32_as_bytes* a4, const ActivationBlocks& a,
-                                    int64_t i) {
+  // Registers 0..3 hold quants 0..15 (low nibbles), 4..7 quants 16..31.
+  static inline void dots(const Lanes::I w[8], const int32_as_bytes* a4,
+                          const ActivationBlocks& a, int64_t i, Lanes::I out[2]) {
     const int32_t low_sum = a.sum_low[i], high_sum = a.sum[i] - low_sum;
-    // Registers 0..3 hold quants 0..15 (low nibbles), 4..7 quants 16..31.
-    const Lanes::I low = Lanes::add(dot_u8_block(w, a4, 0, 4), -kFP4Bias * low_sum);
-    const Lanes::I high = Lanes::add(dot_u8_block(w, a4, 4, 8), -kFP4Bias * high_sum);
-    acc = Lanes::fma(Lanes::cvt(low), Lanes::mul(s.first, a.d[i]), acc);
-    return Lanes::fma(Lanes::cvt(high), Lanes::mul(s.second, a.d[i]), acc);
+    out[0] = Lanes::add(dot_u8_block(w, a4, 0, 4), -kFP4Bias * low_sum);
+    out[1] = Lanes::add(dot_u8_block(w, a4, 4, 8), -kFP4Bias * high_sum);
+  }
+  static inline Lanes::F add(Lanes::F acc, const Scales& s, const Lanes::I* dots,
+                             const ActivationBlocks& a, int64_t i) {
+    acc = Lanes::fma(Lanes::cvt(dots[0]), Lanes::mul(s.first, a.d[i]), acc);
+    return Lanes::fma(Lanes::cvt(dots[1]), Lanes::mul(s.second, a.d[i]), acc);
   }
   static inline Lanes::F finish(Lanes::F acc, const uint8_t* tail, int64_t lane_offset) {
     return Lanes::mul(acc, Lanes::loadf(tail + lane_offset));  // the rows' r
@@ -581,7 +623,7 @@ struct NVFP4 : NVFP4Layout, FP4Codes {
 template <typename Format, int MT, typename Out>
 void tile_rows(const uint8_t* tile, int64_t lane_offset, const ActivationBlocks& a, int64_t m0,
                bool prefetch, Out* out, int64_t ldo) {
-  const int64_t nb = a.blocks_per_row, K = nb * kBlock;
+  const int64_t nb = a.blocks_per_row;
   Lanes::F acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = Lanes::fzero();
   for (int64_t b = 0; b < nb; ++b) {
@@ -595,8 +637,10 @@ void tile_rows(const uint8_t* tile, int64_t lane_offset, const ActivationBlocks&
     Format::quants(qs, lane_offset, w);
     for (int m = 0; m < MT; ++m) {
       const auto* a4 =
-          reinterpret_cast<const int32_as_bytes*>(a.q.data() + (m0 + m) * K + b * kBlock);
-      acc[m] = Format::accumulate(acc[m], scales, w, a4, a, (m0 + m) * nb + b);
+          reinterpret_cast<const int32_as_bytes*>(a.quants(m0 + m, b));
+      Lanes::I dots[Format::kDots];
+      Format::dots(w, a4, a, (m0 + m) * nb + b, dots);
+      acc[m] = Format::add(acc[m], scales, dots, a, (m0 + m) * nb + b);
     }
   }
   const uint8_t* tail = tile + tail_offset<Format>(nb);
@@ -611,6 +655,140 @@ void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, Out* 
     tile_rows<Format, MT>(tile, half * 4 * Lanes::kRows, a, m0, m0 == 0 && half == 0,
                           out + half * Lanes::kRows, ldo);
 }
+
+#if defined(PAGEDSERVE_AMX)
+// With AMX tiles (amx_tiles.h), 16 rows of x meet a tile's block as one tile product:
+// A = the rows' 32 activation quants (16 rows x 32 bytes, together in x's quants grouped
+// by 16 rows), B = the block's values (the 8 registers of `values` stored: 4 quants of
+// each of the 16 output rows a row, 64 bytes), C = their 16 x 16 int32 dot products: the
+// integers the vector kernel's dots make (integer sums are exact in any order). The
+// float32 sums take them through the format's add, block after block, as the vector
+// kernel does: the same bits whichever kernel a row count runs (tested). TDPBSUD for
+// unsigned values (Q4_1), TDPBSSD for signed ones; NVFP4's two halves are two products
+// of 16 quants each. A tile's values are stored once a call and meet every group of 16
+// rows, where the vector kernel unpacks them for each pass of 8 rows and makes 64 of the
+// products an instruction (a tile product: 8,192). What remains is the float32 adds, a
+// register of 16 sums per row and block either way (`add`): 1.4-1.8x the vector kernel at
+// 256-2,048 rows, 1.0-1.2x at 16-35 (benchmarks/README.md).
+namespace amx_a8 {
+
+constexpr int64_t kValueBytes = 8 * 64;  // a block's B tile
+
+// At least one whole A tile of rows: fewer would leave most of each product unused.
+inline bool applies(int64_t M) { return M >= kTileRows && pagedserve_amx::tiles_permitted(); }
+
+// A block is kDots products of kK quants each (the whole block, or NVFP4's halves), and
+// successive blocks alternate between two sets of tiles, so that a block's product runs
+// while the one before is stored (tiles are not renamed as vector registers are). Set 0:
+// C tiles 0 and 1 (16 rows x 16 int32: a product each), A tile 4 (16 rows x kK bytes), B
+// tile 5 (kK / 4 rows x 64 bytes); set 1: 2, 3, 6 and 7.
+template <typename Format>
+constexpr int64_t kK = kBlock / Format::kDots;
+
+template <typename Format>
+inline void configure() {
+  pagedserve_amx::TileConfig config;
+  for (int set = 0; set < 2; ++set) {
+    for (int c = 0; c < 2; ++c) config.colsb[2 * set + c] = 64, config.rows[2 * set + c] = 16;
+    config.colsb[4 + 2 * set] = kK<Format>, config.rows[4 + 2 * set] = 16;
+    config.colsb[5 + 2 * set] = 64, config.rows[5 + 2 * set] = kK<Format> / 4;
+  }
+  pagedserve_amx::load_config(config);
+}
+
+// c[h][16 rows][16 columns]: the dot products of 16 rows of a block's quants a (32 bytes
+// apart) with its values (product h of the block). A macro: tile numbers are literals.
+#define PAGEDSERVE_A8_BLOCK_DOTS(C0, C1, A, B)                   \
+  do {                                                           \
+    for (int h = 0; h < Format::kDots; ++h) {                    \
+      _tile_loadd(A, a + h * kK<Format>, kBlock);                \
+      _tile_loadd(B, values + h * kK<Format> * kTileRows, 64);   \
+      if (h == 0) {                                              \
+        _tile_zero(C0);                                          \
+        if constexpr (Format::kUnsignedValues)                   \
+          _tile_dpbsud(C0, A, B);                                \
+        else                                                     \
+          _tile_dpbssd(C0, A, B);                                \
+        _tile_stored(C0, c, 64);                                 \
+      } else {                                                   \
+        _tile_zero(C1);                                          \
+        _tile_dpbssd(C1, A, B);                                  \
+        _tile_stored(C1, c + kTileRows * kTileRows, 64);         \
+      }                                                          \
+    }                                                            \
+  } while (0)
+
+template <typename Format>
+inline void block_dots(int64_t set, const int8_t* a, const uint8_t* values, int32_t* c) {
+  static_assert(Format::kDots == 1 || !Format::kUnsignedValues);
+  if (set == 0)
+    PAGEDSERVE_A8_BLOCK_DOTS(0, 1, 4, 5);
+  else
+    PAGEDSERVE_A8_BLOCK_DOTS(2, 3, 6, 7);
+}
+
+#undef PAGEDSERVE_A8_BLOCK_DOTS
+
+// out[m * ldo + n] for m < M, n < 16: x's rows (a in groups of 16 rows) times the tile
+// whose blocks' values are `values`. Each group's sums are 16 registers, a row each; the
+// steps (group, block) run as one pipeline: step j's tile product runs while step j - 1's
+// dots add, so that a group's last block does not wait for the product alone.
+template <typename Format, typename Out>
+void tile_rows(const uint8_t* tile, const uint8_t* values, const ActivationBlocks& a,
+               int64_t M, Out* out, int64_t ldo) {
+  const int64_t nb = a.blocks_per_row, steps = (M + kTileRows - 1) / kTileRows * nb;
+  constexpr int64_t kSums = Format::kDots * kTileRows * kTileRows;
+  alignas(64) int32_t c[2 * kSums];  // two steps' dots: one being stored, one being added
+  const uint8_t* tail = tile + tail_offset<Format>(nb);
+  Lanes::F acc[kTileRows];
+  for (int r = 0; r < kTileRows; ++r) acc[r] = Lanes::fzero();
+  const auto add_step = [&](int64_t j) {
+    const int64_t m0 = j / nb * kTileRows, b = j % nb, rows = std::min(kTileRows, M - m0);
+    const int32_t* sums = c + (j & 1) * kSums;
+    const typename Format::Scales scales = Format::scales(tile + scale_offset<Format>(nb, b), 0);
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      Lanes::I dots[Format::kDots];
+      for (int h = 0; h < Format::kDots; ++h)
+        dots[h] = _mm512_load_si512(sums + (h * kTileRows + r) * kTileRows);
+      acc[r] = Format::add(acc[r], scales, dots, a, (m0 + r) * nb + b);
+    }
+    if (b == nb - 1)
+      for (int r = 0; r < rows; ++r) {
+        Lanes::store(out + (m0 + r) * ldo, Format::finish(acc[r], tail, 0));
+        acc[r] = Lanes::fzero();
+      }
+  };
+  for (int64_t j = 0; j < steps; ++j) {
+    block_dots<Format>(j & 1, a.quants(j / nb * kTileRows, j % nb), values + j % nb * kValueBytes,
+                       c + (j & 1) * kSums);
+    if (j > 0) add_step(j - 1);
+  }
+  add_step(steps - 1);
+}
+
+template <typename Format, typename Out>
+void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, Out* out) {
+  const int64_t nb = a.blocks_per_row, tile_bytes = tile_bytes_of<Format>(nb);
+  at::parallel_for(0, N / kTileRows, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> values;  // a tile's blocks' B tiles
+    values.resize(std::max<size_t>(values.size(), nb * kValueBytes));
+    configure<Format>();
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = W + t * tile_bytes;
+      for (int64_t b = 0; b < nb; ++b) {
+        Lanes::I w[8];
+        Format::values(tile + quant_offset<Format>(nb, b), 0, w);
+        for (int k = 0; k < 8; ++k) _mm512_storeu_si512(&values[b * kValueBytes + k * 64], w[k]);
+      }
+      tile_rows<Format>(tile, values.data(), a, M, out + t * kTileRows, N);
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace amx_a8
+#endif
 
 #else  // portable: the same layout, one product at a time
 
@@ -694,14 +872,14 @@ struct NVFP4 : NVFP4Layout, FP4Codes {
 template <typename Format, int MT, typename Out>
 void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, Out* out,
                int64_t ldo) {
-  const int64_t nb = a.blocks_per_row, K = nb * kBlock;
+  const int64_t nb = a.blocks_per_row;
   float acc[MT][kTileRows] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* sc = tile + scale_offset<Format>(nb, b);
     const uint8_t* qs = tile + quant_offset<Format>(nb, b);
     for (int64_t r = 0; r < kTileRows; ++r)
       for (int m = 0; m < MT; ++m) {
-        const int8_t* aq = a.q.data() + (m0 + m) * K + b * kBlock;
+        const int8_t* aq = a.quants(m0 + m, b);
         acc[m][r] += Format::block(sc, qs, r, aq, a, (m0 + m) * nb + b);
       }
   }
@@ -713,15 +891,16 @@ void tile_pass(const uint8_t* tile, const ActivationBlocks& a, int64_t m0, Out* 
 
 #endif
 
+// x's M rows quantized, in groups of group_rows (the last group's rows after M zeros).
 template <typename In>
-ActivationBlocks quantize_rows(const In* x, int64_t M, int64_t K) {
-  const int64_t nb = K / kBlock;
-  ActivationBlocks a{nb, std::vector<int8_t>(M * K), std::vector<float>(M * nb),
-                     std::vector<float>(M * nb), std::vector<int32_t>(M * nb),
-                     std::vector<int32_t>(M * nb)};
+ActivationBlocks quantize_rows(const In* x, int64_t M, int64_t K, int64_t group_rows) {
+  const int64_t nb = K / kBlock, rows = (M + group_rows - 1) / group_rows * group_rows;
+  ActivationBlocks a{nb, group_rows, std::vector<int8_t>(rows * K), std::vector<float>(rows * nb),
+                     std::vector<float>(rows * nb), std::vector<int32_t>(rows * nb),
+                     std::vector<int32_t>(rows * nb)};
   at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      quantize_x_block(x + i * kBlock, &a.q[i * kBlock], &a.d[i], &a.s[i], &a.sum[i],
+      quantize_x_block(x + i * kBlock, a.quants(i / nb, i % nb), &a.d[i], &a.s[i], &a.sum[i],
                        &a.sum_low[i]);
   });
   return a;
@@ -754,19 +933,36 @@ void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, 
 
 namespace {
 
+// f(Format{}) for the kernel format of `type` (one of GGMLType).
+template <typename F>
+void with_format(int64_t type, F f) {
+  switch (type) {
+    case kQ4_1: return f(Q4_1{});
+    case kQ8_0: return f(Q8_0{});
+    case kMXFP4: return f(MXFP4{});
+    default: return f(NVFP4{});
+  }
+}
+
 // out = x @ W^T in x's dtype (In: float or at::BFloat16).
 template <typename In>
 void mul_mat_of(const uint8_t* W, int64_t qweight_type, const torch::Tensor& x,
                 torch::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const ActivationBlocks a = quantize_rows(x.data_ptr<In>(), M, K);
+#if defined(PAGEDSERVE_AMX)
+  const bool tiles = amx_a8::applies(M);
+#else
+  constexpr bool tiles = false;
+#endif
+  const ActivationBlocks a = quantize_rows(x.data_ptr<In>(), M, K, tiles ? kTileRows : 1);
   In* o = out.data_ptr<In>();
-  switch (qweight_type) {
-    case kQ4_1: mul_mat<Q4_1>(W, a, M, N, o); break;
-    case kQ8_0: mul_mat<Q8_0>(W, a, M, N, o); break;
-    case kMXFP4: mul_mat<MXFP4>(W, a, M, N, o); break;
-    default: mul_mat<NVFP4>(W, a, M, N, o); break;
-  }
+  with_format(qweight_type, [&](auto format) {
+    using Format = decltype(format);
+#if defined(PAGEDSERVE_AMX)
+    if (tiles) return amx_a8::mul_mat<Format>(W, a, M, N, o);
+#endif
+    mul_mat<Format>(W, a, M, N, o);
+  });
 }
 
 }  // namespace
