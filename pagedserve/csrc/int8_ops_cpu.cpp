@@ -23,7 +23,9 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <tuple>
+#include <type_traits>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -43,12 +45,40 @@ constexpr int64_t kGrain = 16;  // rows per parallel task: a decode step stays o
 // Here |v| <= 127. Unlike std::nearbyint, a libm call per element here, it vectorizes.
 constexpr float kRoundMagic = 12582912.f;
 
+// A value as float32, and a float32 stored as T, for the PRECISE functions: they cannot
+// inline c10's conversions (other optimization options), which then cost a call per
+// element. bfloat16 is a float32's upper half (exact); a float32 becomes one rounded to
+// nearest even, NaN as 0x7FC0: c10::BFloat16's own rounding, bit for bit.
+template <typename T>
+PRECISE inline float to_float(T v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  } else {
+    return static_cast<float>(v);
+  }
+}
+
+template <typename T>
+PRECISE inline void store_float(T* out, float v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    out->x = v != v ? uint16_t{0x7FC0}
+                    : static_cast<uint16_t>((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16);
+  } else {
+    *out = static_cast<T>(v);
+  }
+}
+
 // Not inlined, so that no re-association (fast-math) can fold `inv` back into a division.
 template <typename scalar_t>
 PRECISE __attribute__((noinline)) void round_scaled(const scalar_t* x, int64_t K, float inv,
                                                     int8_t* q) {
   for (int64_t k = 0; k < K; ++k) {
-    const float v = static_cast<float>(x[k]) * inv;
+    const float v = to_float(x[k]) * inv;
     q[k] = static_cast<int8_t>(static_cast<int32_t>((v + kRoundMagic) - kRoundMagic));
   }
 }
@@ -67,12 +97,12 @@ PRECISE void quantize_row(const scalar_t* x, int64_t K, int8_t* q, float* scale)
   int64_t k = 0;
   for (; k + 8 <= K; k += 8)
     for (int i = 0; i < 8; ++i) {
-      const float v = static_cast<float>(x[k + i]);
+      const float v = to_float(x[k + i]);
       const float a = v < 0.f ? -v : v;
       lane[i] = lane[i] < a ? a : lane[i];
     }
   for (; k < K; ++k) {
-    const float v = static_cast<float>(x[k]);
+    const float v = to_float(x[k]);
     const float a = v < 0.f ? -v : v;
     lane[0] = lane[0] < a ? a : lane[0];
   }
@@ -91,8 +121,8 @@ PRECISE void epilogue_row(const int32_t* acc, float xs, const float* ws, const b
   for (int64_t n = 0; n < N; ++n) {
     float v = static_cast<float>(acc[n]) * xs;
     v = v * ws[n];
-    if (bias != nullptr) v = v + static_cast<float>(bias[n]);
-    out[n] = static_cast<out_t>(v);
+    if (bias != nullptr) v = v + to_float(bias[n]);
+    store_float(out + n, v);
   }
 }
 
