@@ -143,15 +143,21 @@ constexpr int64_t tail_offset(int64_t nb) {
 template <typename L>
 constexpr int64_t tile_bytes_of(int64_t nb) { return tail_offset<L>(nb) + L::kTailBytes; }
 
-// f(Layout{}) for the layout of `type` (one of GGMLType).
+// f(T{}) for the one of the four given types that stands for `type` (one of GGMLType, in
+// its order): its block layout (with_layout), or, below, its kernel format.
+template <typename Q4_1T, typename Q8_0T, typename MXFP4T, typename NVFP4T, typename F>
+auto with_type(int64_t type, F f) {
+  switch (type) {
+    case kQ4_1: return f(Q4_1T{});
+    case kQ8_0: return f(Q8_0T{});
+    case kMXFP4: return f(MXFP4T{});
+    default: return f(NVFP4T{});
+  }
+}
+
 template <typename F>
 auto with_layout(int64_t type, F f) {
-  switch (type) {
-    case kQ4_1: return f(Q4_1Layout{});
-    case kQ8_0: return f(Q8_0Layout{});
-    case kMXFP4: return f(MXFP4Layout{});
-    default: return f(NVFP4Layout{});
-  }
+  return with_type<Q4_1Layout, Q8_0Layout, MXFP4Layout, NVFP4Layout>(type, f);
 }
 
 inline bool is_kernel_type(int64_t type) {
@@ -933,17 +939,6 @@ void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, 
 
 namespace {
 
-// f(Format{}) for the kernel format of `type` (one of GGMLType).
-template <typename F>
-void with_format(int64_t type, F f) {
-  switch (type) {
-    case kQ4_1: return f(Q4_1{});
-    case kQ8_0: return f(Q8_0{});
-    case kMXFP4: return f(MXFP4{});
-    default: return f(NVFP4{});
-  }
-}
-
 // out = x @ W^T in x's dtype (In: float or at::BFloat16).
 template <typename In>
 void mul_mat_of(const uint8_t* W, int64_t qweight_type, const torch::Tensor& x,
@@ -956,7 +951,7 @@ void mul_mat_of(const uint8_t* W, int64_t qweight_type, const torch::Tensor& x,
 #endif
   const ActivationBlocks a = quantize_rows(x.data_ptr<In>(), M, K, tiles ? kTileRows : 1);
   In* o = out.data_ptr<In>();
-  with_format(qweight_type, [&](auto format) {
+  with_type<Q4_1, Q8_0, MXFP4, NVFP4>(qweight_type, [&](auto format) {
     using Format = decltype(format);
 #if defined(PAGEDSERVE_AMX)
     if (tiles) return amx_a8::mul_mat<Format>(W, a, M, N, o);
