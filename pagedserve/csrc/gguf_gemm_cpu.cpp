@@ -702,9 +702,11 @@ inline void configure() {
   pagedserve_amx::load_config(config);
 }
 
-// c[h][16 rows][16 columns]: the dot products of 16 rows of a block's quants a (32 bytes
-// apart) with its values (product h of the block). A macro: tile numbers are literals.
-#define PAGEDSERVE_A8_BLOCK_DOTS(C0, C1, A, B)                   \
+// Tile set `set`'s C tiles (product h of a block in C tile h) get the dot products of 16
+// rows of a block's quants a (32 bytes apart) with its values; store_dots writes them to
+// c[h][16 rows][16 columns]. Apart, so that the vector adds of the step before run while
+// the products do: a store waits for its product. Macros: tile numbers are literals.
+#define PAGEDSERVE_A8_PRODUCTS(C0, C1, A, B)                     \
   do {                                                           \
     for (int h = 0; h < Format::kDots; ++h) {                    \
       _tile_loadd(A, a + h * kK<Format>, kBlock);                \
@@ -715,33 +717,43 @@ inline void configure() {
           _tile_dpbsud(C0, A, B);                                \
         else                                                     \
           _tile_dpbssd(C0, A, B);                                \
-        _tile_stored(C0, c, 64);                                 \
       } else {                                                   \
         _tile_zero(C1);                                          \
         _tile_dpbssd(C1, A, B);                                  \
-        _tile_stored(C1, c + kTileRows * kTileRows, 64);         \
       }                                                          \
     }                                                            \
   } while (0)
 
 template <typename Format>
-inline void block_dots(int64_t set, const int8_t* a, const uint8_t* values, int32_t* c) {
+inline void block_products(int64_t set, const int8_t* a, const uint8_t* values) {
   static_assert(Format::kDots == 1 || !Format::kUnsignedValues);
   if (set == 0)
-    PAGEDSERVE_A8_BLOCK_DOTS(0, 1, 4, 5);
+    PAGEDSERVE_A8_PRODUCTS(0, 1, 4, 5);
   else
-    PAGEDSERVE_A8_BLOCK_DOTS(2, 3, 6, 7);
+    PAGEDSERVE_A8_PRODUCTS(2, 3, 6, 7);
 }
 
-#undef PAGEDSERVE_A8_BLOCK_DOTS
+#undef PAGEDSERVE_A8_PRODUCTS
+
+template <typename Format>
+inline void store_dots(int64_t set, int32_t* c) {
+  constexpr int64_t kNext = kTileRows * kTileRows;  // product 1's sums
+  if (set == 0) {
+    _tile_stored(0, c, 64);
+    if constexpr (Format::kDots == 2) _tile_stored(1, c + kNext, 64);
+  } else {
+    _tile_stored(2, c, 64);
+    if constexpr (Format::kDots == 2) _tile_stored(3, c + kNext, 64);
+  }
+}
 
 // out[m * ldo + n] for m < M, n < 16: x's rows (a in groups of 16 rows) times the tile
 // whose blocks' values are `values`. Each group's sums are 16 registers, a row each; the
 // steps (group, block) run as one pipeline: step j's tile product runs while step j - 1's
 // dots add, so that a group's last block does not wait for the product alone.
 template <typename Format, typename Out>
-void tile_rows(const uint8_t* tile, const uint8_t* values, const ActivationBlocks& a,
-               int64_t M, Out* out, int64_t ldo) {
+void tile_rows(const uint8_t* tile, const uint8_t* values, const uint8_t* next,
+               const ActivationBlocks& a, int64_t M, Out* out, int64_t ldo) {
   const int64_t nb = a.blocks_per_row, steps = (M + kTileRows - 1) / kTileRows * nb;
   constexpr int64_t kSums = Format::kDots * kTileRows * kTileRows;
   alignas(64) int32_t c[2 * kSums];  // two steps' dots: one being stored, one being added
@@ -752,8 +764,11 @@ void tile_rows(const uint8_t* tile, const uint8_t* values, const ActivationBlock
     const int64_t m0 = j / nb * kTileRows, b = j % nb, rows = std::min(kTileRows, M - m0);
     const int32_t* sums = c + (j & 1) * kSums;
     const typename Format::Scales scales = Format::scales(tile + scale_offset<Format>(nb, b), 0);
+    // The last group's rows past M are zeros: their sums are not made (a decode step's
+    // 35 rows are 48 of a tile product's rows, but 35 of the adds).
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
+      if (r == rows) break;
       Lanes::I dots[Format::kDots];
       for (int h = 0; h < Format::kDots; ++h)
         dots[h] = _mm512_load_si512(sums + (h * kTileRows + r) * kTileRows);
@@ -765,10 +780,17 @@ void tile_rows(const uint8_t* tile, const uint8_t* values, const ActivationBlock
         acc[r] = Lanes::fzero();
       }
   };
+  // The next tile's bytes are asked for a share per step: its values are built from them
+  // next, and the tiles' blocks are apart (each in its own weights' rows).
+  const int64_t lines = next == nullptr ? 0 : (tile_bytes_of<Format>(nb) + 63) / 64;
+  const int64_t lines_per_step = (lines + steps - 1) / steps;
   for (int64_t j = 0; j < steps; ++j) {
-    block_dots<Format>(j & 1, a.quants(j / nb * kTileRows, j % nb), values + j % nb * kValueBytes,
-                       c + (j & 1) * kSums);
+    block_products<Format>(j & 1, a.quants(j / nb * kTileRows, j % nb),
+                           values + j % nb * kValueBytes);
+    for (int64_t i = j * lines_per_step; i < std::min(lines, (j + 1) * lines_per_step); ++i)
+      __builtin_prefetch(next + 64 * i);
     if (j > 0) add_step(j - 1);
+    store_dots<Format>(j & 1, c + (j & 1) * kSums);
   }
   add_step(steps - 1);
 }
@@ -787,7 +809,8 @@ void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, 
         Format::values(tile + quant_offset<Format>(nb, b), 0, w);
         for (int k = 0; k < 8; ++k) _mm512_storeu_si512(&values[b * kValueBytes + k * 64], w[k]);
       }
-      tile_rows<Format>(tile, values.data(), a, M, out + t * kTileRows, N);
+      const uint8_t* next = t + 1 < N / kTileRows ? tile + tile_bytes : nullptr;
+      tile_rows<Format>(tile, values.data(), next, a, M, out + t * kTileRows, N);
     }
     _tile_release();
   });
