@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagedserve.attention.torch_attn import write_kv_slots
 from pagedserve.cpu_ops import load_cpu_ops
-from pagedserve.models.layers import RMSNorm, RotaryEmbedding
+from pagedserve.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 OPS = load_cpu_ops()
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
@@ -79,3 +80,21 @@ def test_reshape_and_cache_rounds_into_a_bfloat16_cache():
     assert torch.equal(v_rows, value.to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="dtype"):
         OPS.reshape_and_cache(key, value, cache.half(), slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (35, 1536), (64, 8192), (3, 100), (7, 37)])
+def test_silu_and_mul_has_the_bits_of_silu_times_up(dtype, tokens, inter):
+    """Bit for bit F.silu(gate) * up, the vectorized part (SLEEF's exp, a true division)
+    and the elements PyTorch leaves to its scalar loop (inter not a multiple of 64); NaN
+    where it is NaN (its vectorized bfloat16 NaN is 0xFFFF, c10's 0x7FC0)."""
+    gen = torch.Generator().manual_seed(tokens * inter)
+    gate_up = (torch.randn(tokens, 2 * inter, generator=gen) * 4).to(dtype)
+    gate_up[0, :6] = torch.tensor([float("inf"), -float("inf"), float("nan"), -100.0, 100.0, 0.0])
+    expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    out = silu_and_mul(gate_up)
+    assert out.shape == (tokens, inter) and out.dtype == dtype
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(out[~nan].view(bits), expected[~nan].view(bits))

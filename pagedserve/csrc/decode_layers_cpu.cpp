@@ -39,6 +39,7 @@ torch::Tensor int8_scaled_mm_epilogue(torch::Tensor acc, torch::Tensor x_scale,
                                       at::ScalarType dtype);
 torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale,
                                  std::optional<torch::Tensor> bias, int64_t N);
+void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
 void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor slots, torch::Tensor A,
               torch::Tensor Bt, torch::Tensor ranks, torch::Tensor shard_cols);
 
@@ -67,6 +68,17 @@ torch::Tensor project(const torch::Tensor& a, const torch::Tensor& b, int64_t ki
   if (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
     return ggml_mul_mat_a8(a, x, kind);
   return ggml_mul_mat_a8(a, x.to(at::kFloat), kind).to(x.scalar_type());
+}
+
+// silu(gate) * up for gate_up [T, 2 * I], as LlamaMLP computes it: one pass in float32 and
+// bfloat16, else PyTorch's two ops.
+torch::Tensor silu_and_mul_of(const torch::Tensor& gate_up) {
+  const int64_t inter = gate_up.size(1) / 2;
+  if (gate_up.scalar_type() != at::kFloat && gate_up.scalar_type() != at::kBFloat16)
+    return at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  silu_and_mul(out, gate_up);
+  return out;
 }
 
 // Per projection with LoRA: its stack's A, Bt, ranks and shard_cols (lora/layers.py).
@@ -132,8 +144,7 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
                              lora_slots));
     rms_norm(x, hidden, w[5], eps);
     const auto gate_up = project_lora(w[6], w[7], kind[2], x, lora_of(2), lora_slots);
-    const int64_t inter = gate_up.size(1) / 2;
-    const auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+    const auto act = silu_and_mul_of(gate_up);
     hidden.add_(project_lora(w[8], w[9], kind[3], act, lora_of(3), lora_slots));
   }
 }

@@ -6,6 +6,7 @@
 //   rms_norm(out, x, weight, eps)            out = weight * (x / sqrt(mean(x^2) + eps))
 //   rotary_embedding(positions, q, k, cos, sin, rotary_dim, interleaved)   in place
 //   reshape_and_cache(key, value, kv_cache, slot_mapping)                  K/V -> slots
+//   silu_and_mul(out, gate_up)               out = silu(gate) * up
 //
 // Rounding follows the PyTorch code op by op (float32 statistics, a cast to the model
 // dtype after each elementwise op), so bfloat16/float16 results equal it too.
@@ -13,10 +14,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_vec.h"
 
@@ -244,8 +250,92 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
   });
 }
 
+namespace {
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// The exponential PyTorch's vectorized CPU kernels use (Vectorized<float>::exp: SLEEF's
+// 1-ulp expf, exported by libtorch_cpu), so that silu's bits are PyTorch's.
+extern "C" {
+#ifdef __AVX512F__
+__m512 Sleef_expf16_u10(__m512);
+#else
+__m256 Sleef_expf8_u10(__m256);
+#endif
+}
+
+inline vf exp_like_torch(vf x) {
+#ifdef __AVX512F__
+  return (vf)Sleef_expf16_u10((__m512)x);
+#else
+  return (vf)Sleef_expf8_u10((__m256)x);
+#endif
+}
+
+// a / b as vdivps: fast-math would make it a reciprocal estimate and a Newton step (other
+// bits), even where a function asks for no reciprocal math once inlined.
+inline vf divide(vf a, vf b) {
+  asm("vdivps %2, %1, %0" : "=v"(a) : "v"(a), "v"(b));
+  return a;
+}
+#endif
+
+// PyTorch's scalar silu (std::exp), for the elements its vectorized loop leaves to the
+// scalar one; not vectorized, where GCC would call libmvec's expf instead.
+__attribute__((noinline, optimize("no-tree-vectorize"))) float silu_scalar(float x) {
+  return x / (1.f + std::exp(-x));
+}
+
+// out[0:I] = silu(gate[0:I]) * up[0:I] for one row, each op rounded to T as F.silu and
+// the product round (silu: x / (1 + exp(-x)) in float32). PyTorch's elementwise loop
+// takes two registers of T (2 * 16 floats, 2 * 32 bfloat16 with AVX-512) at a time and
+// the rest one by one with std::exp: so does this.
+template <typename T>
+void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t I) {
+  int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+  constexpr int64_t kStep = 2 * (sizeof(T) == 2 ? 2 * kLanes : kLanes);
+  const int64_t vectorized = I - I % kStep;
+  for (; i < vectorized; i += kLanes) {
+    const vf x = loadv(gate + i);
+    const vf silu = roundv<T>(divide(x, 1.f + exp_like_torch(-x)));
+    store_rounded(out + i, roundv<T>(silu * loadv(up + i)));
+  }
+#endif
+  for (; i < I; ++i)
+    out[i] = static_cast<T>(static_cast<float>(static_cast<T>(silu_scalar(gate[i]))) *
+                            static_cast<float>(up[i]));
+}
+
+}  // namespace
+
+// out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:] for gate_up [T, 2 * I] (rows may be
+// strided), float32 or bfloat16: the bits of F.silu(gate) * up in one pass (vLLM's
+// SiluAndMul) instead of two ops and a temporary. Raises (RuntimeError) on other dtypes
+// or shapes.
+void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && out.dim() == 2 && gate_up.stride(1) == 1 &&
+                  out.stride(1) == 1 && gate_up.size(0) == out.size(0) &&
+                  gate_up.size(1) == 2 * out.size(1) &&
+                  out.scalar_type() == gate_up.scalar_type() &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "silu_and_mul: out [T, I] and gate_up [T, 2 * I] with contiguous rows, both "
+              "float32 or both bfloat16");
+  const int64_t T = out.size(0), I = out.size(1);
+  // PyTorch's grain for elementwise ops (32,768 elements), in rows
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(I, 1));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "silu_and_mul", [&] {
+    at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* gate = gate_up.data_ptr<scalar_t>() + t * gate_up.stride(0);
+        silu_and_mul_row(out.data_ptr<scalar_t>() + t * out.stride(0), gate, gate + I, I);
+      }
+    });
+  });
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("rms_norm", &rms_norm);
   m.def("rotary_embedding", &rotary_embedding);
   m.def("reshape_and_cache", &reshape_and_cache);
+  m.def("silu_and_mul", &silu_and_mul);
 }

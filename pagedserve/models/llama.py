@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
@@ -26,6 +27,7 @@ from pagedserve.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     activation,
+    silu_and_mul,
 )
 from pagedserve.quantization.base import Linear
 
@@ -116,7 +118,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
