@@ -101,7 +101,12 @@ void for_each_tile(int64_t M, int64_t steps, const uint8_t* x, int64_t ldx,
                    const Flush& flush) {
   constexpr int64_t kRunSteps = 8;  // a run of a panel: 32 KiB of weights (L1: 48 KiB)
   constexpr int64_t kStride = kWidth * 4;  // bytes between a block's rows of sums
-  const int64_t run_steps = M > kRows ? kRunSteps : steps;  // one block: no runs
+  // One block, or from kWholePanelRows rows on: no runs. There the sums of M rows waiting in
+  // memory between runs (M x 256 bytes) cost more than each block's reads of the whole
+  // panel from L2: at 2,048 rows of the 1B's shapes bfloat16 1.5-1.8x, int8 1.1-1.4x; runs
+  // still win at 64-256 rows (AMX Xeon, 2 cores; benchmarks/README.md).
+  constexpr int64_t kWholePanelRows = 512;
+  const int64_t run_steps = M > kRows && M < kWholePanelRows ? kRunSteps : steps;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<Acc> buffer;  // [M][kWidth] sums, reused by every call
     buffer.resize(std::max<size_t>(buffer.size(), M * kWidth));
