@@ -69,7 +69,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` ``[T, 2 * I]`` (gate first) -> ``[T, I]`` (vLLM's
     ``SiluAndMul``). On CPU in float32 and bfloat16 one C++ pass (``csrc/layer_ops_cpu.cpp``)
     with the bits of the two PyTorch ops, which make a temporary and read it again: at
-    2,048 tokens of a 1B-class model 6 ms against 25."""
+    2,048 tokens of a 1B-class model 6.2 ms against 12.5."""
     inter = gate_up.shape[-1] // 2
     ops = cpu_layer_ops(gate_up)
     if ops is None or gate_up.dtype not in (torch.float32, torch.bfloat16):
