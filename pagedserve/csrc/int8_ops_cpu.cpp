@@ -89,25 +89,44 @@ PRECISE __attribute__((noinline)) float reciprocal(float a) {
   return static_cast<float>(1.0 / static_cast<double>(a));
 }
 
+// max |x[k]| over k < K, NaNs passed over (a NaN never compares greater); max is exact in
+// any order. With AVX-512, sixteen lanes a step for float32 and bfloat16 (a scalar loop
+// otherwise: GCC keeps the compare-and-select loop below scalar without fast-math, 3% of a
+// 1B model's int8 decode step); VMAXPS(a, m) returns m where a is NaN, as the select does.
 template <typename scalar_t>
-PRECISE void quantize_row(const scalar_t* x, int64_t K, int8_t* q, float* scale) {
-  // max |x| over 8 lanes, then across them (max is exact in any order): std::max and
-  // std::fabs spelled out, which the compiler inlines and vectorizes here.
-  float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+PRECISE float absmax_of(const scalar_t* x, int64_t K) {
+  float absmax = 0.f;
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8)
-    for (int i = 0; i < 8; ++i) {
-      const float v = to_float(x[k + i]);
-      const float a = v < 0.f ? -v : v;
-      lane[i] = lane[i] < a ? a : lane[i];
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    __m512 m = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+      __m512 v;
+      if constexpr (std::is_same_v<scalar_t, float>)
+        v = _mm512_loadu_ps(x + k);
+      else  // bfloat16 is a float32's upper half
+        v = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k))),
+            16));
+      m = _mm512_max_ps(_mm512_andnot_ps(sign, v), m);
     }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, m);
+    for (float lane : lanes) absmax = absmax < lane ? lane : absmax;
+  }
+#endif
   for (; k < K; ++k) {
     const float v = to_float(x[k]);
     const float a = v < 0.f ? -v : v;
-    lane[0] = lane[0] < a ? a : lane[0];
+    absmax = absmax < a ? a : absmax;
   }
-  float absmax = 0.f;
-  for (int i = 0; i < 8; ++i) absmax = absmax < lane[i] ? lane[i] : absmax;
+  return absmax;
+}
+
+template <typename scalar_t>
+PRECISE void quantize_row(const scalar_t* x, int64_t K, int8_t* q, float* scale) {
+  const float absmax = absmax_of(x, K);
   *scale = static_cast<float>(static_cast<double>(absmax) / 127.0);  // one rounding, as torch
   // PyTorch evaluates `127 / absmax` as `absmax.reciprocal() * 127` (Tensor.__rtruediv__):
   // two float32 roundings, not one, so the same here.
