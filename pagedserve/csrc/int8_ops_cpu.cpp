@@ -99,17 +99,17 @@ PRECISE float absmax_of(const scalar_t* x, int64_t K) {
   int64_t k = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-    const __m512 sign = _mm512_set1_ps(-0.f);
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);  // |v|: the sign bit cleared
     __m512 m = _mm512_setzero_ps();
     for (; k + 16 <= K; k += 16) {
-      __m512 v;
+      __m512i bits;
       if constexpr (std::is_same_v<scalar_t, float>)
-        v = _mm512_loadu_ps(x + k);
+        bits = _mm512_loadu_si512(x + k);
       else  // bfloat16 is a float32's upper half
-        v = _mm512_castsi512_ps(_mm512_slli_epi32(
+        bits = _mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k))),
-            16));
-      m = _mm512_max_ps(_mm512_andnot_ps(sign, v), m);
+            16);
+      m = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(bits, magnitude)), m);
     }
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, m);
