@@ -1,6 +1,6 @@
-// One vector register of floats for the CPU kernels (GCC's vector extensions), shared by
-// paged_attention_cpu.cpp and layer_ops_cpu.cpp: 16 lanes with AVX-512 (half the
-// instructions of AVX2 for the same work), else 8 (the compiler splits or fuses it for
+// One vector register of floats for the CPU kernels (GCC's vector extensions: paged
+// attention, layer ops, fixed-order GEMM, int8 row maxima): 16 lanes with AVX-512 (half
+// the instructions of AVX2 for the same work), else 8 (the compiler splits or fuses it for
 // other widths). loadv widens kLanes values of any dtype to float32; storev writes
 // float32 or bfloat16. (cpu_ops.py keys the build on this header too.)
 
@@ -28,8 +28,10 @@ typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
 
 // kLanes values at p as float32: bfloat16 is the top half of a float32, so it converts
 // with a widen and a shift; other dtypes convert one by one.
+// Always inlined: GCC would otherwise call it out of line from functions compiled without
+// fast-math (int8_ops_cpu.cpp's PRECISE), a call per register.
 template <typename T>
-inline vf loadv(const T* p) {
+__attribute__((always_inline)) inline vf loadv(const T* p) {
   vf x;
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(&x, p, sizeof(x));

@@ -32,6 +32,7 @@
 #endif
 
 #include "amx_tiles.h"
+#include "cpu_vec.h"
 #include "gemm_blocking.h"
 
 #define PRECISE __attribute__((optimize("no-fast-math", "fp-contract=off")))
@@ -90,32 +91,21 @@ PRECISE __attribute__((noinline)) float reciprocal(float a) {
 }
 
 // max |x[k]| over k < K, NaNs passed over (a NaN never compares greater); max is exact in
-// any order. With AVX-512, sixteen lanes a step for float32 and bfloat16 (a scalar loop
-// otherwise: GCC keeps the compare-and-select loop below scalar without fast-math, 3% of a
-// 1B model's int8 decode step); VMAXPS(a, m) returns m where a is NaN, as the select does.
+// any order, so a register of lanes (cpu_vec.h) at a time, then across them. The selects
+// on vector types stay vectorized without fast-math (on scalars GCC kept them a value at a
+// time: 3% of a 1B model's int8 decode step).
 template <typename scalar_t>
 PRECISE float absmax_of(const scalar_t* x, int64_t K) {
-  float absmax = 0.f;
+  using pagedserve_vec::kLanes, pagedserve_vec::vf;
+  vf lanes = vf{};
   int64_t k = 0;
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);  // |v|: the sign bit cleared
-    __m512 m = _mm512_setzero_ps();
-    for (; k + 16 <= K; k += 16) {
-      __m512i bits;
-      if constexpr (std::is_same_v<scalar_t, float>)
-        bits = _mm512_loadu_si512(x + k);
-      else  // bfloat16 is a float32's upper half
-        bits = _mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k))),
-            16);
-      m = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(bits, magnitude)), m);
-    }
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, m);
-    for (float lane : lanes) absmax = absmax < lane ? lane : absmax;
+  for (; k + kLanes <= K; k += kLanes) {
+    const vf v = pagedserve_vec::loadv(x + k);
+    const vf a = v < 0.f ? -v : v;
+    lanes = lanes < a ? a : lanes;
   }
-#endif
+  float absmax = 0.f;
+  for (int i = 0; i < kLanes; ++i) absmax = absmax < lanes[i] ? lanes[i] : absmax;
   for (; k < K; ++k) {
     const float v = to_float(x[k]);
     const float a = v < 0.f ? -v : v;
