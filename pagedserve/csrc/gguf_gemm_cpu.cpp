@@ -774,6 +774,10 @@ void tile_rows(const uint8_t* tile, const uint8_t* values, const uint8_t* next,
         dots[h] = _mm512_load_si512(sums + (h * kTileRows + r) * kTileRows);
       acc[r] = Format::add(acc[r], scales, dots, a, (m0 + r) * nb + b);
     }
+    // The next group's output lines, asked for one per step (row b; the rest at the last
+    // block): a store that misses the cache holds up the tile stores behind it.
+    for (int64_t r = b, last = b == nb - 1 ? kTileRows : std::min(b + 1, kTileRows); r < last; ++r)
+      if (m0 + kTileRows + r < M) __builtin_prefetch(out + (m0 + kTileRows + r) * ldo, 1);
     if (b == nb - 1)
       for (int r = 0; r < rows; ++r) {
         Lanes::store(out + (m0 + r) * ldo, Format::finish(acc[r], tail, 0));
