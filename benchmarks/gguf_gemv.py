@@ -1,7 +1,8 @@
 """The GGUF block kernel (``torch.ops.pagedserve.ggml_mul_mat_a8``) at one row, as a lone
 request's decode step uses it: every block weight of the bundled model as the engine
 holds it (fused q/k/v and gate/up, the tied LM head), one after the other as in a forward
-pass, read from DRAM (96 MB, twice the L3 here). Prints ms per token and the rate the weights stream at.
+pass, read from DRAM (96 MB, twice the L3 here). Prints ms per step (``--rows`` tokens: 1
+for a lone decode, 2,048 for a prefill's GEMMs) and the rate the weights stream at.
 
     PYTHONPATH=. python benchmarks/gguf_gemv.py [--threads N] [--rows M]
 
@@ -36,18 +37,18 @@ def main() -> None:
     total = sum(qweight.numel() for qweight, _, _ in steps)
     mul_mat = torch.ops.pagedserve.ggml_mul_mat_a8
 
-    def token() -> None:
+    def step() -> None:
         for qweight, qtype, x in steps:
             mul_mat(qweight, x, qtype)
 
     for _ in range(3):
-        token()
+        step()
     start = time.perf_counter()
     for _ in range(args.repeats):
-        token()
+        step()
     seconds = (time.perf_counter() - start) / args.repeats
     print(f"{len(steps)} weights, {total / 1e6:.1f} MB of blocks, {args.rows} row(s), "
-          f"{args.threads} thread(s): {seconds * 1e3:.2f} ms per token, "
+          f"{args.threads} thread(s): {seconds * 1e3:.2f} ms per step, "
           f"{total / seconds / 1e9:.1f} GB/s")
 
 
