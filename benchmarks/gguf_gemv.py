@@ -1,7 +1,7 @@
-"""The GGUF block kernel (``torch.ops.pagedserve.ggml_mul_mat_a8``) at one row, as a lone
-request's decode step uses it: every block weight of the bundled model as the engine
-holds it (fused q/k/v and gate/up, the tied LM head), one after the other as in a forward
-pass, read from DRAM (96 MB, twice the L3 here). Prints ms per step (``--rows`` tokens: 1
+"""The GGUF block kernel (``torch.ops.pagedserve.ggml_mul_mat_a8``), at one row by default
+as a lone request's decode step uses it: every block weight of the bundled model as the
+engine holds it (fused q/k/v and gate/up, the tied LM head), one after the other as in a
+forward pass, read from DRAM (96 MB, twice the L3 here). Prints ms per step (``--rows`` tokens: 1
 for a lone decode, 2,048 for a prefill's GEMMs) and the rate the weights stream at.
 
     PYTHONPATH=. python benchmarks/gguf_gemv.py [--threads N] [--rows M]
