@@ -45,6 +45,7 @@ CASES = [
     ([1], [50], 4, 2, 32, 4, 8),  # ... with a window
     ([1, 1, 2], [150, 67, 90], 9, 3, 64, 16, 100),  # several 64-key tiles, ragged tails
     ([1, 1, 3], [200, 9, 70], 8, 2, 128, 16, None),  # head size 128
+    ([1, 1, 4], [40, 70, 10], 9, 3, 64, 8, None),  # 16-key runs straddle blocks of 8
 ]
 
 

@@ -19,12 +19,14 @@
 // shuffles), exponentials a register at a time and one rescale of the running max and
 // sum; then all of them accumulate V together, each V row loaded once. A decode step
 // reads every layer's context from DRAM once, and the blocks are scattered over pages the
-// hardware prefetcher does not follow, so the next tile's rows are prefetched while this
-// one computes. Head sizes 64 and 128 get register-blocked loops (AVX-512 registers where
-// the CPU has them); other sizes take plain loops the compiler vectorizes.
+// hardware prefetcher does not follow, so the rows of the next (tile, KV head), and after
+// a row's last tile the next row's first, are prefetched while this one computes. Head
+// sizes 64 and 128 get register-blocked loops (AVX-512 registers where the CPU has them);
+// other sizes take plain loops the compiler vectorizes.
 // All arithmetic is float32 whatever the storage dtype (bfloat16 converts in registers);
-// a bfloat16 query against a bfloat16 cache scores by vdpbf16ps where the CPU has it
-// (exact products, float32 sums: dot_keys_bf16).
+// a bfloat16 query against a bfloat16 cache scores on AMX tiles where the CPU has them
+// (all query heads of a KV head at once: score_keys_amx), else by vdpbf16ps where it has
+// that (dot_keys_bf16); both take exact products and float32 sums.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -37,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -163,6 +166,90 @@ inline void dot_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* const* ro
 }
 #endif
 
+#if defined(PAGEDSERVE_AMX)
+// Scores on AMX tiles (Intel SDM, TDPBF16PS) for all `group` query heads of a KV head at
+// once, bfloat16 query and cache, D = 32 * kSteps: C [16 keys x group] = A [16 keys x 32
+// d] (the K rows as the cache holds them: one tile load, rows a token apart) x B [32 d x
+// group] (the query heads in bfloat16 pairs, built once per row: q_pairs). Each key's
+// sum is its own C row: no horizontal sums, and K is read once for all the heads. The
+// tiles (configure_score_tiles): 0-1 C, 2-3 A, 4-7 B (one per 32 d: D <= 128).
+constexpr int64_t kTileRows = 16;
+
+inline void configure_score_tiles(int64_t group) {
+  pagedserve_amx::TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = t == 2 || t == 3 ? 64 : group * 4;
+  }
+  pagedserve_amx::load_config(config);
+}
+
+// q_pairs [kSteps][16][group] uint32: unit u of step s for head i is q[i][32 s + 2 u],
+// q[i][32 s + 2 u + 1] (a B tile's layout: a unit of one column in 4 bytes); a scatter
+// per head and step.
+template <int kSteps>
+inline void build_q_pairs(const c10::BFloat16* q, int64_t group, uint32_t* q_pairs) {
+  const __m512i units =  // u * group
+      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                         _mm512_set1_epi32(static_cast<int>(group)));
+  for (int64_t s = 0; s < kSteps; ++s)
+    for (int64_t i = 0; i < group; ++i)
+      _mm512_i32scatter_epi32(q_pairs + s * kTileRows * group + i, units,
+                              _mm512_loadu_si512(q + i * 32 * kSteps + 32 * s), 4);
+}
+
+// One sub-tile of 16 keys into C tile C: A rows a, lda bytes apart. A macro: GCC's tile
+// intrinsics paste their tile numbers into the instruction's text, so they must be literals.
+#define PAGEDSERVE_SCORE_ROWS(C)          \
+  do {                                    \
+    _tile_zero(C);                        \
+    _tile_loadd(2, a, lda);               \
+    _tile_dpbf16ps(C, 2, 4);              \
+    _tile_loadd(3, a + 32, lda);          \
+    _tile_dpbf16ps(C, 3, 5);              \
+    if constexpr (kSteps == 4) {          \
+      _tile_loadd(2, a + 64, lda);        \
+      _tile_dpbf16ps(C, 2, 6);            \
+      _tile_loadd(3, a + 96, lda);        \
+      _tile_dpbf16ps(C, 3, 7);            \
+    }                                     \
+    _tile_stored(C, sums + j * group, ldb); \
+  } while (0)
+
+// scores[i][j] = scale * (q_i . k_j) for the group's heads i, keys j < n (k_j = rows[j] +
+// offset; rows token_stride elements apart within a block). Sixteen keys of one block are
+// loaded in place; a shorter or block-straddling run is copied to k_copy [16][D] first.
+template <int kSteps>
+inline void score_keys_amx(const uint32_t* q_pairs, const c10::BFloat16* const* rows,
+                           int64_t offset, int64_t n, int64_t token_stride, int64_t group,
+                           float scale, float* scores, c10::BFloat16* k_copy, float* sums) {
+  constexpr int64_t D = 32 * kSteps;
+  const int64_t ldb = group * 4;
+  _tile_loadd(4, q_pairs, ldb);
+  _tile_loadd(5, q_pairs + kTileRows * group, ldb);
+  if constexpr (kSteps == 4) {
+    _tile_loadd(6, q_pairs + 2 * kTileRows * group, ldb);
+    _tile_loadd(7, q_pairs + 3 * kTileRows * group, ldb);
+  }
+  for (int64_t j = 0; j < n; j += kTileRows) {
+    const int64_t count = std::min(kTileRows, n - j);
+    const c10::BFloat16* a = rows[j] + offset;
+    int64_t lda = token_stride * 2;
+    if (count < kTileRows || rows[j + kTileRows - 1] != rows[j] + (kTileRows - 1) * token_stride) {
+      for (int64_t r = 0; r < count; ++r) std::memcpy(k_copy + r * D, rows[j + r] + offset, D * 2);
+      a = k_copy, lda = D * 2;  // rows past count: stale, their sums unread
+    }
+    if ((j / kTileRows) % 2 == 0)
+      PAGEDSERVE_SCORE_ROWS(0);
+    else
+      PAGEDSERVE_SCORE_ROWS(1);
+  }
+  for (int64_t i = 0; i < group; ++i)
+    for (int64_t j = 0; j < n; ++j) scores[i * kTileKeys + j] = sums[j * group + i] * scale;
+}
+#undef PAGEDSERVE_SCORE_ROWS
+#endif
+
 // acc[h][0:D] += sum_j p[h][j] * (rows[j] + offset)[0:D] for kH query heads sharing one
 // KV head (D = kLanes * kChunks; acc rows D apart, p rows kTileKeys apart): each V row is
 // loaded and widened once for all of them, and the accumulators stay in registers across
@@ -287,9 +374,9 @@ void tile_rows(const T* k_base, const T* v_base, const int64_t* table, int64_t s
 
 // Asks for rows[0:n] + offset .. + offset + D of K and V into L1 (a tile's rows of one KV
 // head fit: 32 KB in float32; asking for L2 only was 15-20% slower on decode batches of
-// 16-64 here). Called per query head with its share of the next tile's rows of the KV
-// head, so the requests spread over the tile's work instead of stalling in one burst on
-// the few outstanding misses a core may have.
+// 16-64 on an AVX-512 Xeon, and no faster on an AMX one). Called per query head with its
+// share of the next (tile, KV head)'s rows, so the requests spread over the work instead
+// of stalling in one burst on the few outstanding misses a core may have.
 template <typename T>
 inline void prefetch_rows(const T* const* krows, const T* const* vrows, int64_t n,
                           int64_t offset, int64_t D) {
@@ -301,13 +388,24 @@ inline void prefetch_rows(const T* const* krows, const T* const* vrows, int64_t 
     }
 }
 
+// The keys a query row (or part of it) attends to: K and V at its first KV head, its
+// sequence's block table, positions [lo, hi).
+template <typename T>
+struct Keys {
+  const T* k_base;
+  const T* v_base;
+  const int64_t* table;
+  int64_t lo, hi;
+};
+
 // kD: the head size when it is 64 or 128 (register-blocked loops), else 0 (any size).
 // scalar_t: the query's and output's dtype; cache_t: the KV cache's (the same, or
-// bfloat16 under --kv-cache-dtype bfloat16).
-template <typename scalar_t, typename cache_t, int kD>
+// bfloat16 under --kv-cache-dtype bfloat16). kAmx: scores on AMX tiles (score_keys_amx;
+// both bfloat16, kD > 0, group <= 16; the caller has configured the tiles).
+template <typename scalar_t, typename cache_t, int kD, bool kAmx>
 void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, these heads
-                const cache_t* k_base, const cache_t* v_base,  // at the first KV head
-                const int64_t* table, int64_t lo, int64_t hi,  // keys [lo, hi)
+                const Keys<cache_t>& keys,
+                const Keys<cache_t>& next_keys,  // the thread's next row: prefetched
                 int64_t block_size, int64_t token_stride, int64_t kv_heads, int64_t group,
                 int64_t head_dim, float scale, scalar_t* out) {
   // Per tile and KV head: each query head sharing it (GQA) scores the tile's keys and
@@ -332,25 +430,59 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
   const cache_t* vrows[2][kTileKeys];
   if constexpr (!kDotBf16)
     for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+#if defined(PAGEDSERVE_AMX)
+  static_assert(!kAmx || (kDotBf16 && kD > 0));
+  constexpr int kSteps = kD / 32;
+  const int64_t pairs_per_kv_head = kSteps * kTileRows * group;
+  std::vector<uint32_t> q_pairs(kAmx ? kv_heads * pairs_per_kv_head : 0);
+  std::vector<float> sums(kAmx ? kTileKeys * group : 0);
+  c10::BFloat16 k_copy[kAmx ? kTileRows * kD : 1];  // not zeroed: see score_keys_amx
+  if constexpr (kAmx)
+    for (int64_t g = 0; g < kv_heads; ++g)
+      build_q_pairs<kSteps>(q + g * group * D, group, q_pairs.data() + g * pairs_per_kv_head);
+#else
+  static_assert(!kAmx);
+#endif
 
+  const auto [k_base, v_base, table, lo, hi] = keys;
   int64_t n = std::min(kTileKeys, hi - lo);
   tile_rows(k_base, v_base, table, lo, n, block_size, token_stride, krows[0], vrows[0]);
   for (int64_t start = lo, t = 0; start < hi; start += kTileKeys, t ^= 1) {
     // The next tile's rows are on other pages (blocks are scattered), where the hardware
-    // prefetcher does not follow: they are asked for while this one computes.
-    const int64_t next_n = std::min(kTileKeys, std::max<int64_t>(0, hi - start - kTileKeys));
-    tile_rows(k_base, v_base, table, start + kTileKeys, next_n, block_size, token_stride,
-              krows[t ^ 1], vrows[t ^ 1]);
+    // prefetcher does not follow: they are asked for while this one computes. After the
+    // last tile, the next row's first (decodes of 64 keys or fewer: 1.4x at batch 64).
+    int64_t next_n = std::min(kTileKeys, std::max<int64_t>(0, hi - start - kTileKeys));
+    if (next_n > 0) {
+      tile_rows(k_base, v_base, table, start + kTileKeys, next_n, block_size, token_stride,
+                krows[t ^ 1], vrows[t ^ 1]);
+    } else {
+      next_n = std::min(kTileKeys, next_keys.hi - next_keys.lo);
+      tile_rows(next_keys.k_base, next_keys.v_base, next_keys.table, next_keys.lo, next_n,
+                block_size, token_stride, krows[t ^ 1], vrows[t ^ 1]);
+    }
     for (int64_t g = 0; g < kv_heads; ++g) {
       const int64_t offset = g * D;
+#if defined(PAGEDSERVE_AMX)
+      if constexpr (kAmx)
+        score_keys_amx<kSteps>(q_pairs.data() + g * pairs_per_kv_head, krows[t],
+                               offset, n, token_stride, group, scale, scores.data(),
+                               k_copy, sums.data());
+#endif
       for (int64_t i = 0; i < group; ++i) {
-        // Each query head asks for its share of the next tile's rows of this KV head: in
-        // smaller bursts than all at once, 7-15% faster decode steps (36 x 300 keys).
-        const int64_t h = g * group + i, p0 = next_n * i / group, p1 = next_n * (i + 1) / group;
-        prefetch_rows(krows[t ^ 1] + p0, vrows[t ^ 1] + p0, p1 - p0, offset, D);
+        // Each query head asks for its share of the rows of the next KV head of this tile,
+        // or after the last, of the next tile's first: in smaller bursts than all at once,
+        // 7-15% faster decode steps (36 x 300 keys); one KV head ahead, not a whole tile
+        // (three KV heads of bfloat16 rows fill L1): 1.1-1.3x.
+        const int64_t h = g * group + i;
+        const bool this_tile = g + 1 < kv_heads;
+        const int64_t ahead = this_tile ? n : next_n;
+        const int64_t p0 = ahead * i / group, p1 = ahead * (i + 1) / group;
+        prefetch_rows((this_tile ? krows[t] : krows[t ^ 1]) + p0,
+                      (this_tile ? vrows[t] : vrows[t ^ 1]) + p0, p1 - p0,
+                      this_tile ? offset + D : 0, D);
         float* scores_h = scores.data() + i * kTileKeys;
 #ifdef __AVX512BF16__
-        if constexpr (kDotBf16)
+        if constexpr (kDotBf16 && !kAmx)
           dot_keys_bf16<kD / 32>(q + h * D, krows[t], offset, n, scale, scores_h);
 #endif
         if constexpr (!kDotBf16 && kD > 0)
@@ -429,18 +561,42 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
     using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(q)>>;
     using cache_t = std::remove_const_t<std::remove_pointer_t<decltype(k_base)>>;
     const cache_t* v_base = k_base + kv_cache.stride(0);
-    auto attend = D == 64    ? attend_row<scalar_t, cache_t, 64>
-                  : D == 128 ? attend_row<scalar_t, cache_t, 128>
-                             : attend_row<scalar_t, cache_t, 0>;
+    auto attend = D == 64    ? attend_row<scalar_t, cache_t, 64, false>
+                  : D == 128 ? attend_row<scalar_t, cache_t, 128, false>
+                             : attend_row<scalar_t, cache_t, 0, false>;
+    bool amx = false;  // scores on AMX tiles: bfloat16 query and cache, D 64 or 128
+#if defined(PAGEDSERVE_AMX)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> &&
+                  std::is_same_v<cache_t, c10::BFloat16>) {
+      amx = (D == 64 || D == 128) && group <= kTileRows && pagedserve_amx::tiles_permitted();
+      if (amx)
+        attend = D == 64 ? attend_row<scalar_t, cache_t, 64, true>
+                         : attend_row<scalar_t, cache_t, 128, true>;
+    }
+#endif
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = first[begin]; item < first[end]; ++item) {
+#if defined(PAGEDSERVE_AMX)
+      if (amx) configure_score_tiles(group);
+#endif
+      auto keys_of = [&](int64_t item) {
+        if (item >= first[end]) return Keys<cache_t>{k_base, v_base, tables, 0, 0};
         const int64_t t = item / parts, g = item % parts * part_heads;
         const auto [lo, hi] = key_range(t);
+        return Keys<cache_t>{k_base + g * D, v_base + g * D, tables + token_seq[t] * max_blocks,
+                             lo, hi};
+      };
+      Keys<cache_t> keys = keys_of(first[begin]);
+      for (int64_t item = first[begin]; item < first[end]; ++item) {
+        const int64_t t = item / parts, g = item % parts * part_heads;
         const int64_t head = t * num_heads + g * group;
-        attend(q + head * D, k_base + g * D, v_base + g * D,
-               tables + token_seq[t] * max_blocks, lo, hi, block_size, kv_heads * D,
-               part_heads, group, D, static_cast<float>(scale), o + head * D);
+        const Keys<cache_t> next_keys = keys_of(item + 1);
+        attend(q + head * D, keys, next_keys, block_size, kv_heads * D, part_heads, group, D,
+               static_cast<float>(scale), o + head * D);
+        keys = next_keys;
       }
+#if defined(PAGEDSERVE_AMX)
+      if (amx) _tile_release();
+#endif
     });
   };
   const bool same = kv_cache.scalar_type() == query.scalar_type();
