@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -104,6 +106,19 @@ def test_kernel_bfloat16_rows_match_float32_on_the_same_values(case, two_threads
     out = torch.empty_like(query)
     CpuAttention().ops.paged_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, out, 0.3, window or 0)
+    assert rel_err(out, ref) < 4e-3
+
+
+def test_kernel_bfloat16_run_of_keys_over_scattered_small_blocks():
+    """Blocks of 4: keys 0-15 sit in blocks 1, 6, 0 and 4, so the run's first and last rows
+    are 15 rows apart in memory as if the blocks were 1-4 in order; a kernel that took the
+    run's ends for the whole run would read blocks 2 and 3 in place of 6 and 0."""
+    query, kv_cache, meta = make_batch([1], [19], 9, 3, 64, 4, torch.bfloat16)
+    meta = dataclasses.replace(meta, block_tables=torch.tensor([[1, 6, 0, 4, 7]]))
+    ref = ReferenceAttention().forward(query.float(), kv_cache.float(), meta, 0.3)
+    out = torch.empty_like(query)
+    CpuAttention().ops.paged_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, out, 0.3, 0)
     assert rel_err(out, ref) < 4e-3
 
 

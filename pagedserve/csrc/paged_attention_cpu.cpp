@@ -217,12 +217,15 @@ inline void build_q_pairs(const c10::BFloat16* q, int64_t group, uint32_t* q_pai
   } while (0)
 
 // scores[i][j] = scale * (q_i . k_j) for the group's heads i, keys j < n (k_j = rows[j] +
-// offset; rows token_stride elements apart within a block). Sixteen keys of one block are
-// loaded in place; a shorter or block-straddling run is copied to k_copy [16][D] first.
+// offset; rows token_stride elements apart within a block). Where every run of 16 keys is
+// in one block (in_place: the runs start at multiples of 16, and so do blocks), a whole
+// run is loaded as the cache holds it; a shorter run, or any run elsewhere, is copied to
+// k_copy [16][D] first.
 template <int kSteps>
 inline void score_keys_amx(const uint32_t* q_pairs, const c10::BFloat16* const* rows,
-                           int64_t offset, int64_t n, int64_t token_stride, int64_t group,
-                           float scale, float* scores, c10::BFloat16* k_copy, float* sums) {
+                           int64_t offset, int64_t n, int64_t token_stride, bool in_place,
+                           int64_t group, float scale, float* scores, c10::BFloat16* k_copy,
+                           float* sums) {
   constexpr int64_t D = 32 * kSteps;
   const int64_t ldb = group * 4;
   _tile_loadd(4, q_pairs, ldb);
@@ -235,7 +238,7 @@ inline void score_keys_amx(const uint32_t* q_pairs, const c10::BFloat16* const* 
     const int64_t count = std::min(kTileRows, n - j);
     const c10::BFloat16* a = rows[j] + offset;
     int64_t lda = token_stride * 2;
-    if (count < kTileRows || rows[j + kTileRows - 1] != rows[j] + (kTileRows - 1) * token_stride) {
+    if (count < kTileRows || !in_place) {
       for (int64_t r = 0; r < count; ++r) std::memcpy(k_copy + r * D, rows[j + r] + offset, D * 2);
       a = k_copy, lda = D * 2;  // rows past count: stale, their sums unread
     }
@@ -445,6 +448,9 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
 #endif
 
   const auto [k_base, v_base, table, lo, hi] = keys;
+#if defined(PAGEDSERVE_AMX)
+  [[maybe_unused]] const bool in_place = block_size % kTileRows == 0 && lo % kTileRows == 0;
+#endif
   int64_t n = std::min(kTileKeys, hi - lo);
   tile_rows(k_base, v_base, table, lo, n, block_size, token_stride, krows[0], vrows[0]);
   for (int64_t start = lo, t = 0; start < hi; start += kTileKeys, t ^= 1) {
@@ -464,9 +470,9 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
       const int64_t offset = g * D;
 #if defined(PAGEDSERVE_AMX)
       if constexpr (kAmx)
-        score_keys_amx<kSteps>(q_pairs.data() + g * pairs_per_kv_head, krows[t],
-                               offset, n, token_stride, group, scale, scores.data(),
-                               k_copy, sums.data());
+        score_keys_amx<kSteps>(q_pairs.data() + g * pairs_per_kv_head, krows[t], offset, n,
+                               token_stride, in_place, group, scale, scores.data(), k_copy,
+                               sums.data());
 #endif
       for (int64_t i = 0; i < group; ++i) {
         // Each query head asks for its share of the rows of the next KV head of this tile,
