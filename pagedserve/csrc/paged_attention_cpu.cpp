@@ -456,7 +456,7 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
   for (int64_t start = lo, t = 0; start < hi; start += kTileKeys, t ^= 1) {
     // The next tile's rows are on other pages (blocks are scattered), where the hardware
     // prefetcher does not follow: they are asked for while this one computes. After the
-    // last tile, the next row's first (decodes of 64 keys or fewer: 1.4x at batch 64).
+    // last tile, the next row's first (64-key decodes at batch 64: 1.1-1.4x).
     int64_t next_n = std::min(kTileKeys, std::max<int64_t>(0, hi - start - kTileKeys));
     if (next_n > 0) {
       tile_rows(k_base, v_base, table, start + kTileKeys, next_n, block_size, token_stride,
@@ -478,7 +478,8 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
         // Each query head asks for its share of the rows of the next KV head of this tile,
         // or after the last, of the next tile's first: in smaller bursts than all at once,
         // 7-15% faster decode steps (36 x 300 keys); one KV head ahead, not a whole tile
-        // (three KV heads of bfloat16 rows fill L1): 1.1-1.3x.
+        // (three KV heads of bfloat16 rows fill L1): 1.0-1.1x at 256 keys, 1.1-1.4x at 64
+        // (AMX Xeon, benchmarks/README.md).
         const int64_t h = g * group + i;
         const bool this_tile = g + 1 < kv_heads;
         const int64_t ahead = this_tile ? n : next_n;
