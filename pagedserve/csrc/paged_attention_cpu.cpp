@@ -173,12 +173,12 @@ inline void dot_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* const* ro
 // group] (the query heads in bfloat16 pairs, built once per row: q_pairs). Each key's
 // sum is its own C row: no horizontal sums, and K is read once for all the heads. The
 // tiles (configure_score_tiles): 0-1 C, 2-3 A, 4-7 B (one per 32 d: D <= 128).
-constexpr int64_t kTileRows = 16;
+using pagedserve_amx::kRows;  // keys a C tile scores, and query-head pairs a B tile holds
 
 inline void configure_score_tiles(int64_t group) {
   pagedserve_amx::TileConfig config;
   for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
+    config.rows[t] = kRows;
     config.colsb[t] = t == 2 || t == 3 ? 64 : group * 4;
   }
   pagedserve_amx::load_config(config);
@@ -194,7 +194,7 @@ inline void build_q_pairs(const c10::BFloat16* q, int64_t group, uint32_t* q_pai
                          _mm512_set1_epi32(static_cast<int>(group)));
   for (int64_t s = 0; s < kSteps; ++s)
     for (int64_t i = 0; i < group; ++i)
-      _mm512_i32scatter_epi32(q_pairs + s * kTileRows * group + i, units,
+      _mm512_i32scatter_epi32(q_pairs + s * kRows * group + i, units,
                               _mm512_loadu_si512(q + i * 32 * kSteps + 32 * s), 4);
 }
 
@@ -229,20 +229,20 @@ inline void score_keys_amx(const uint32_t* q_pairs, const c10::BFloat16* const* 
   constexpr int64_t D = 32 * kSteps;
   const int64_t ldb = group * 4;
   _tile_loadd(4, q_pairs, ldb);
-  _tile_loadd(5, q_pairs + kTileRows * group, ldb);
+  _tile_loadd(5, q_pairs + kRows * group, ldb);
   if constexpr (kSteps == 4) {
-    _tile_loadd(6, q_pairs + 2 * kTileRows * group, ldb);
-    _tile_loadd(7, q_pairs + 3 * kTileRows * group, ldb);
+    _tile_loadd(6, q_pairs + 2 * kRows * group, ldb);
+    _tile_loadd(7, q_pairs + 3 * kRows * group, ldb);
   }
-  for (int64_t j = 0; j < n; j += kTileRows) {
-    const int64_t count = std::min(kTileRows, n - j);
+  for (int64_t j = 0; j < n; j += kRows) {
+    const int64_t count = std::min(kRows, n - j);
     const c10::BFloat16* a = rows[j] + offset;
     int64_t lda = token_stride * 2;
-    if (count < kTileRows || !in_place) {
+    if (count < kRows || !in_place) {
       for (int64_t r = 0; r < count; ++r) std::memcpy(k_copy + r * D, rows[j + r] + offset, D * 2);
       a = k_copy, lda = D * 2;  // rows past count: stale, their sums unread
     }
-    if ((j / kTileRows) % 2 == 0)
+    if ((j / kRows) % 2 == 0)
       PAGEDSERVE_SCORE_ROWS(0);
     else
       PAGEDSERVE_SCORE_ROWS(1);
@@ -436,10 +436,10 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
 #if defined(PAGEDSERVE_AMX)
   static_assert(!kAmx || (kDotBf16 && kD > 0));
   constexpr int kSteps = kD / 32;
-  const int64_t pairs_per_kv_head = kSteps * kTileRows * group;
+  const int64_t pairs_per_kv_head = kSteps * kRows * group;
   std::vector<uint32_t> q_pairs(kAmx ? kv_heads * pairs_per_kv_head : 0);
-  std::vector<float> sums(kAmx ? kTileKeys * group : 0);
-  c10::BFloat16 k_copy[kAmx ? kTileRows * kD : 1];  // not zeroed: see score_keys_amx
+  float sums[kAmx ? kTileKeys * kRows : 1];  // [keys][group] (group <= kRows)
+  c10::BFloat16 k_copy[kAmx ? kRows * kD : 1];  // not zeroed: see score_keys_amx
   if constexpr (kAmx)
     for (int64_t g = 0; g < kv_heads; ++g)
       build_q_pairs<kSteps>(q + g * group * D, group, q_pairs.data() + g * pairs_per_kv_head);
@@ -449,7 +449,7 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
 
   const auto [k_base, v_base, table, lo, hi] = keys;
 #if defined(PAGEDSERVE_AMX)
-  [[maybe_unused]] const bool in_place = block_size % kTileRows == 0 && lo % kTileRows == 0;
+  [[maybe_unused]] const bool in_place = block_size % kRows == 0 && lo % kRows == 0;
 #endif
   int64_t n = std::min(kTileKeys, hi - lo);
   tile_rows(k_base, v_base, table, lo, n, block_size, token_stride, krows[0], vrows[0]);
@@ -472,7 +472,7 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
       if constexpr (kAmx)
         score_keys_amx<kSteps>(q_pairs.data() + g * pairs_per_kv_head, krows[t], offset, n,
                                token_stride, in_place, group, scale, scores.data(), k_copy,
-                               sums.data());
+                               sums);
 #endif
       for (int64_t i = 0; i < group; ++i) {
         // Each query head asks for its share of the rows of the next KV head of this tile,
@@ -575,7 +575,7 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
 #if defined(PAGEDSERVE_AMX)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16> &&
                   std::is_same_v<cache_t, c10::BFloat16>) {
-      amx = (D == 64 || D == 128) && group <= kTileRows && pagedserve_amx::tiles_permitted();
+      amx = (D == 64 || D == 128) && group <= kRows && pagedserve_amx::tiles_permitted();
       if (amx)
         attend = D == 64 ? attend_row<scalar_t, cache_t, 64, true>
                          : attend_row<scalar_t, cache_t, 128, true>;
