@@ -32,6 +32,26 @@ def test_rms_norm_strided_rows():
     torch.testing.assert_close(norm(x), norm.forward_native(x), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_fused_add_rms_norm_equals_add_then_norm(dtype, tokens):
+    """The residual add rounded to the dtype, then the norm: the bits of PyTorch's add and
+    then the rms_norm op, as the Python decoder layer runs them (the norm itself is checked
+    against forward_native above)."""
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(576, dtype=dtype)
+    hidden = torch.randn(tokens, 576, dtype=dtype) * 3
+    delta = torch.randn(tokens, 576, dtype=dtype)
+    expected_hidden = hidden + delta
+    out = torch.empty_like(hidden)
+    OPS.fused_add_rms_norm(out, hidden, delta, norm.weight, 1e-5)
+    assert torch.equal(hidden, expected_hidden)
+    expected = torch.empty_like(hidden)
+    OPS.rms_norm(expected, expected_hidden, norm.weight, 1e-5)
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, norm.forward_native(expected_hidden), **TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_dim,interleaved", [(64, False), (64, True), (32, True), (32, False)])
 def test_rotary_in_place_matches_native(dtype, rotary_dim, interleaved):

@@ -8,6 +8,7 @@
 //   x = rms_norm(h); q, k, v = split(x @ Wqkv^T); rotary(q, k); cache <- k, v
 //   h += paged_attention(q, cache) @ Wo^T
 //   x = rms_norm(h); gate, up = split(x @ Wgate_up^T); h += (silu(gate) * up) @ Wdown^T
+// A residual add and the norm after it run as one pass (fused_add_rms_norm: the same bits).
 // Each projection W as its quantization method holds it (LinearWeight.fused_kernel, in
 // pagedserve/quantization/): GGUF blocks (ggml_mul_mat_a8), int8 rows (int8_linear:
 // per-token quantization, torch._int_mm or our packed product, scales), or a float weight
@@ -23,6 +24,8 @@
 
 // The kernels this calls, defined in the other csrc files.
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor delta,
+                        torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
                       torch::Tensor cos, torch::Tensor sin, int64_t rotary_dim,
                       bool interleaved);
@@ -125,12 +128,16 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
   const int64_t T = hidden.size(0), q_size = num_heads * head_dim;
   const int64_t kv_size = num_kv_heads * head_dim;
   auto x = torch::empty_like(hidden);
+  torch::Tensor down;  // the layer before's MLP output, added with this layer's first norm
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + kTensorsPerLayer * l;
     const int64_t* kind = kinds.data() + 4 * l;
     const torch::Tensor* lw = lora.empty() ? nullptr : lora.data() + 4 * kLoRATensors * l;
     auto lora_of = [&](int p) { return lw == nullptr ? nullptr : lw + kLoRATensors * p; };
-    rms_norm(x, hidden, w[0], eps);
+    if (down.defined())
+      fused_add_rms_norm(x, hidden, down, w[0], eps);
+    else
+      rms_norm(x, hidden, w[0], eps);
     const auto qkv = project_lora(w[1], w[2], kind[0], x, lora_of(0), lora_slots);
     auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -140,13 +147,15 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
     auto attn = torch::empty({T, num_heads, head_dim}, hidden.options());
     paged_attention(q.contiguous(), kv_caches[l], block_tables, seq_lens, query_start_loc, attn,
                     scale, windows[l]);
-    hidden.add_(project_lora(w[3], w[4], kind[1], attn.view({T, q_size}), lora_of(1),
-                             lora_slots));
-    rms_norm(x, hidden, w[5], eps);
+    fused_add_rms_norm(x, hidden,
+                       project_lora(w[3], w[4], kind[1], attn.view({T, q_size}), lora_of(1),
+                                    lora_slots),
+                       w[5], eps);
     const auto gate_up = project_lora(w[6], w[7], kind[2], x, lora_of(2), lora_slots);
     const auto act = silu_and_mul_of(gate_up);
-    hidden.add_(project_lora(w[8], w[9], kind[3], act, lora_of(3), lora_slots));
+    down = project_lora(w[8], w[9], kind[3], act, lora_of(3), lora_slots);
   }
+  if (down.defined()) hidden.add_(down);
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {

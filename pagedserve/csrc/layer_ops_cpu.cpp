@@ -4,6 +4,7 @@
 // cost more in dispatch than in arithmetic. Names follow vLLM's custom ops.
 //
 //   rms_norm(out, x, weight, eps)            out = weight * (x / sqrt(mean(x^2) + eps))
+//   fused_add_rms_norm(out, x, delta, weight, eps)     x += delta, then rms_norm(out, x)
 //   rotary_embedding(positions, q, k, cos, sin, rotary_dim, interleaved)   in place
 //   reshape_and_cache(key, value, kv_cache, slot_mapping)                  K/V -> slots
 //   silu_and_mul(out, gate_up)               out = silu(gate) * up
@@ -67,6 +68,36 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
       for (int64_t t = begin; t < end; ++t)
         rms_norm_row(out.data_ptr<scalar_t>() + t * out.stride(0),
                      x.data_ptr<scalar_t>() + t * x.stride(0), w, H, static_cast<float>(eps));
+    });
+  });
+}
+
+// x [T, H] += delta [T, H] (contiguous, one dtype: PyTorch's add_, rounded to the dtype),
+// then rms_norm(out, x, weight, eps), a row at a time: the residual add of a decoder layer
+// and the next norm in one pass, bit-equal to the two ops. In a decode step the add alone
+// ran on one thread (PyTorch keeps tensors under 32,768 elements on one) while the other
+// waited. Raises (RuntimeError) on other shapes or dtypes.
+void fused_add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor delta,
+                        torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && delta.is_contiguous() &&
+                  delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: x and delta contiguous [T, H] of one dtype");
+  TORCH_CHECK(out.stride(1) == 1 && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: out [T, H] with contiguous rows, weight [H], x's dtype");
+  const int64_t T = x.size(0), H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm",
+                                  [&] {
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        scalar_t* row = x.data_ptr<scalar_t>() + t * H;
+        const scalar_t* d = delta.data_ptr<scalar_t>() + t * H;
+        for (int64_t i = 0; i < H; ++i)
+          row[i] = round_to<scalar_t>(static_cast<float>(row[i]) + static_cast<float>(d[i]));
+        rms_norm_row(out.data_ptr<scalar_t>() + t * out.stride(0), row, w, H,
+                     static_cast<float>(eps));
+      }
     });
   });
 }
@@ -335,6 +366,7 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("rms_norm", &rms_norm);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm);
   m.def("rotary_embedding", &rotary_embedding);
   m.def("reshape_and_cache", &reshape_and_cache);
   m.def("silu_and_mul", &silu_and_mul);
