@@ -160,7 +160,7 @@ def test_attention_rows_same_at_once_and_in_chunks():
         assert torch.equal(torch.cat(parts), whole)
 
 
-PATHS = {  # int8's torch._int_mm is slow on CPUs without VNNI: its paths take fewer chats
+PATHS = {
     "float32 exact": {"dtype": "float32", "quantization": "none"},
     "float32 GGUF blocks": {"dtype": "float32"},
     "bfloat16 GGUF blocks": {"dtype": "bfloat16"},
@@ -185,9 +185,8 @@ def answers(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_engine_paths_batch_invariant(path, chat_prompts):
-    int8 = PATHS[path].get("quantization") == "int8"
-    chats = chat_prompts[:3] if int8 else chat_prompts[:5]
-    long_prompts = [list(range(1000, 1190)), list(range(2000, 2230))][: 1 if int8 else 2]
+    chats = chat_prompts[:5]
+    long_prompts = [list(range(1000, 1190)), list(range(2000, 2230))]
     common = dict(PATHS[path], max_model_len=256, max_num_batched_tokens=64, block_size=16)
     alone = LLM(**common, enable_prefix_caching=False, num_gpu_blocks_override=64)
     reference = {kind: [answers(alone, [c], params)[0] for c in chats]

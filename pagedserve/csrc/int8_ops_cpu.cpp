@@ -27,7 +27,7 @@
 #include <tuple>
 #include <type_traits>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -135,9 +135,9 @@ PRECISE void epilogue_row(const int32_t* acc, float xs, const float* ws, const b
   }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-constexpr bool kHasPackedInt8 = true;
-// vpdpbusd adds four u8 x s8 products to each int32 lane. The weight is packed
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || defined(__AVX2__)
+#define PAGEDSERVE_PACKED_INT8
+// The packed weight, for both kernels below (AVX512-VNNI, AVX2) is
 // [ceil(N / 64)][ceil(K / 4) + 1][64][4] int8: per panel of 64 output columns, k in quads
 // (a quad of one column is one 32-bit lane; zero past N and K), then one row of 64 int32
 // corrections, 128 * sum_k W[n, k]. x's int8 rows are read as u8, x + 128 in [1, 255]
@@ -149,6 +149,11 @@ constexpr int kQuadRows = 6;                       // rows of x per micro-kernel
 constexpr int64_t kQuadDepth = 256;                // k-quads per run: a row's run is 1 KiB
 constexpr int64_t kQuadPanelsPerBlock = 4;         // panels sharing x's runs (L2)
 constexpr int64_t kMaxPackedK = 65536;             // int8.py's PACKED_MAX_K
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// vpdpbusd adds four u8 x s8 products to each int32 lane.
+using XQuad = int32_t;  // a k-quad of x as the kernel reads it: four u8
 
 // c[r, 0:kQuadPanel] (ldc apart) for r < R continued over `depth` k-quads: x (u8 quads, ldx
 // apart) against one panel's run w [depth][kQuadPanel]; `first` starts the sums at zero.
@@ -177,16 +182,56 @@ inline void quad_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t
       _mm512_storeu_si512(c + r * ldc + 16 * v, (__m512i)acc[r][v]);
 }
 
+#elif defined(__AVX2__)
+// Without VNNI, vpmaddwd: s16 x s16 products of adjacent lanes summed into int32, exactly
+// (x + 128 <= 255 and |w| <= 127: no saturation, unlike vpmaddubsw's int16 sums). x's u8
+// quads come widened to s16 (an int64 a quad), the weight's widen as they load: 16 bytes of
+// a k-quad's run are 4 columns x 4 k, and their products with the quad broadcast are each
+// column's two pair sums in adjacent lanes, added at the end (vphaddd). AVX2 has 16
+// registers, so a tile walks its panel 8 columns at a time: R rows x 2 sums + 2 weights + x.
+using XQuad = int64_t;
+constexpr int64_t kSubPanel = 8;
+
+template <int R>
+inline void quad_kernel(const int64_t* x, int64_t ldx, const int32_t* w, int64_t depth,
+                        int32_t* c, int64_t ldc, bool first, const pagedserve_gemm::Prefetch& pf) {
+  const auto* wb = reinterpret_cast<const int8_t*>(w);
+  constexpr int64_t kSteps = kQuadPanel / kSubPanel;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < depth; ++k) {
+      const int8_t* wk = wb + (k * kQuadPanel + s * kSubPanel) * 4;
+      const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk)));
+      const __m256i hi =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16)));
+      pagedserve_gemm::prefetch_step(pf, s * depth + k, kSteps * depth);
+      for (int r = 0; r < R; ++r) {
+        const __m256i a = _mm256_set1_epi64x(x[r * ldx + k]);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, lo));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, hi));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      // [c0 c1 c4 c5 | c2 c3 c6 c7], then in column order
+      __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][0], acc[r][1]), 0xD8);
+      auto* out = reinterpret_cast<__m256i*>(c + r * ldc + s * kSubPanel);
+      if (!first) sums = _mm256_add_epi32(sums, _mm256_loadu_si256(out));
+      _mm256_storeu_si256(out, sums);
+    }
+  }
+}
+#endif
+
+#if defined(PAGEDSERVE_PACKED_INT8)
 template <int R = kQuadRows>
-void quad_kernel_rows(int rows, const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
+void quad_kernel_rows(int rows, const XQuad* x, int64_t ldx, const int32_t* w, int64_t depth,
                       int32_t* c, int64_t ldc, bool first, const pagedserve_gemm::Prefetch& pf) {
   if constexpr (R > 1) {
     if (rows < R) return quad_kernel_rows<R - 1>(rows, x, ldx, w, depth, c, ldc, first, pf);
   }
   quad_kernel<R>(x, ldx, w, depth, c, ldc, first, pf);
 }
-#else
-constexpr bool kHasPackedInt8 = false;
 #endif
 
 }  // namespace
@@ -243,15 +288,21 @@ torch::Tensor int8_scaled_mm_epilogue(torch::Tensor acc, torch::Tensor x_scale,
   return out;
 }
 
-// Whether this build has the packed int8 product (AVX512-VNNI).
-bool packed_int8_available() { return kHasPackedInt8; }
+// Whether this build has the packed int8 product (AVX512-VNNI or AVX2).
+bool packed_int8_available() {
+#if defined(PAGEDSERVE_PACKED_INT8)
+  return true;
+#else
+  return false;
+#endif
+}
 
 // qweight int8 [N, K] -> int8 [ceil(N / 64), ceil(K / 4) + 1, 64, 4], the layout above.
-// Raises (RuntimeError) without AVX512-VNNI or on another dtype or shape.
+// Raises (RuntimeError) without AVX512-VNNI or AVX2, or on another dtype or shape.
 torch::Tensor pack_int8_weight(torch::Tensor qweight) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2,
               "pack_int8_weight: qweight must be an int8 [N, K]");
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if defined(PAGEDSERVE_PACKED_INT8)
   const int64_t N = qweight.size(0), K = qweight.size(1);
   TORCH_CHECK(K <= kMaxPackedK, "pack_int8_weight: K = ", K, " > ", kMaxPackedK,
               " could overflow the int32 sums");
@@ -267,7 +318,7 @@ torch::Tensor pack_int8_weight(torch::Tensor qweight) {
     dst[(n / kQuadPanel * (K4 + 1) + K4) * kQuadPanel + n % kQuadPanel] = sums[n];
   return packed;
 #else
-  TORCH_CHECK(false, "pack_int8_weight: this CPU build has no AVX512-VNNI");
+  TORCH_CHECK(false, "pack_int8_weight: this CPU build has neither AVX512-VNNI nor AVX2");
   return qweight;
 #endif
 }
@@ -298,10 +349,10 @@ torch::Tensor pack_int8_weight_amx(torch::Tensor qweight) {
 // (4-D; or by pack_int8_weight_amx, 5-D: AMX tiles) (N rows, float32 scales w_scale [N])
 // + bias -> [M, N] in x's dtype: bit for bit
 // int8_scaled_mm_epilogue(torch._int_mm(*quantize_rows_int8(x)...)). Raises (RuntimeError)
-// on mismatched shapes or without AVX512-VNNI.
+// on mismatched shapes or without AVX512-VNNI or AVX2.
 torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale,
                                  std::optional<torch::Tensor> bias, int64_t N) {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if defined(PAGEDSERVE_PACKED_INT8)
   const bool tiles = packed.dim() == 5;
   TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
                   (tiles ? packed.size(2) == 16 && packed.size(3) == kQuadPanel &&
@@ -340,7 +391,12 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
   const auto ws = w_scale.contiguous();
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "int8_packed_linear: bias of N elements");
-  const auto* xp = reinterpret_cast<const int32_t*>(xu.data_ptr<int8_t>());
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  const auto* xp = reinterpret_cast<const XQuad*>(xu.data_ptr<int8_t>());
+#else
+  const auto xw = xu.view(at::kByte).to(at::kShort);  // the AVX2 kernel's s16 quads
+  const auto* xp = reinterpret_cast<const XQuad*>(xw.data_ptr<int16_t>());
+#endif
   const auto* wp = reinterpret_cast<const int32_t*>(packed.data_ptr<int8_t>());
   const float* xs = x_scale.data_ptr<float>();
   const float* wsp = ws.data_ptr<float>();
@@ -388,7 +444,7 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
   });
   return out;
 #else
-  TORCH_CHECK(false, "int8_packed_linear: this CPU build has no AVX512-VNNI");
+  TORCH_CHECK(false, "int8_packed_linear: this CPU build has neither AVX512-VNNI nor AVX2");
   return x;
 #endif
 }
