@@ -1,14 +1,15 @@
 // The int8 W8A8 linear (pagedserve/quantization/int8.py) on CPU: its element-wise halves,
 // each one pass over its rows instead of the 4-5 PyTorch ops (and temporaries) of the
 // Python code, which they must equal bit for bit (at a decode step those ops cost more in
-// dispatch than in arithmetic), and, on CPUs with AVX512-VNNI, the product itself.
+// dispatch than in arithmetic), and, on CPUs with AVX512-VNNI or AVX2, the product itself.
 //
 //   quantize_rows_int8(x [R, K]) -> (q int8 [R, K], scale float32 [R, 1])
 //       scale = max|x| / 127, q = round_half_even(x * (1 / max(max|x|, FLT_MIN) * 127))
 //   int8_scaled_mm_epilogue(acc int32 [M, N], x_scale [M, 1], w_scale [N], bias?, dtype)
 //       out = ((float(acc) * x_scale[m]) * w_scale[n] + bias[n]) cast to dtype
 //   int8_packed_linear(x, packed, w_scale, bias?, N): the three in one, the int32 product
-//       acc = q @ W^T summed by vpdpbusd on the weight packed by pack_int8_weight.
+//       acc = q @ W^T summed by vpdpbusd (AVX2: vpmaddubsw, vpmaddwd) on the weight packed
+//       by pack_int8_weight.
 //
 // The float operations and their order are the Python code's, in float32; fast-math is off
 // for those functions (and no fused multiply-add) so the compiler keeps that order. The
@@ -140,9 +141,9 @@ PRECISE void epilogue_row(const int32_t* acc, float xs, const float* ws, const b
 // The packed weight, for both kernels below (AVX512-VNNI, AVX2) is
 // [ceil(N / 64)][ceil(K / 4) + 1][64][4] int8: per panel of 64 output columns, k in quads
 // (a quad of one column is one 32-bit lane; zero past N and K), then one row of 64 int32
-// corrections, 128 * sum_k W[n, k]. x's int8 rows are read as u8, x + 128 in [1, 255]
-// (an exclusive or with 0x80), so acc - 128 * sum_k W[n, k] is the sum of x * W exactly
-// (|acc| <= 255 * 127 * K < 2^31 for K <= kMaxPackedK).
+// corrections, kXOffset * sum_k W[n, k]. A kernel reads x's int8 rows plus kXOffset (128:
+// as u8 in [1, 255], an exclusive or with 0x80; or 0), so acc - kXOffset * sum_k W[n, k]
+// is the sum of x * W exactly (|acc| <= 255 * 127 * K < 2^31 for K <= kMaxPackedK).
 constexpr int kQuadVectors = 4;                    // vectors of 16 columns a panel
 constexpr int64_t kQuadPanel = 16 * kQuadVectors;  // output columns per panel
 constexpr int kQuadRows = 6;                       // rows of x per micro-kernel call
@@ -152,10 +153,10 @@ constexpr int64_t kMaxPackedK = 65536;             // int8.py's PACKED_MAX_K
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// vpdpbusd adds four u8 x s8 products to each int32 lane.
-using XQuad = int32_t;  // a k-quad of x as the kernel reads it: four u8
+// vpdpbusd adds four u8 x s8 products to each int32 lane: x must be unsigned.
+constexpr int32_t kXOffset = 128;
 
-// c[r, 0:kQuadPanel] (ldc apart) for r < R continued over `depth` k-quads: x (u8 quads, ldx
+// c[r, 0:kQuadPanel] (ldc apart) for r < R continued over `depth` k-quads: x (quads, ldx
 // apart) against one panel's run w [depth][kQuadPanel]; `first` starts the sums at zero.
 template <int R>
 inline void quad_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
@@ -183,49 +184,48 @@ inline void quad_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t
 }
 
 #elif defined(__AVX2__)
-// Without VNNI, vpmaddwd: s16 x s16 products of adjacent lanes summed into int32, exactly
-// (x + 128 <= 255 and |w| <= 127: no saturation, unlike vpmaddubsw's int16 sums). x's u8
-// quads come widened to s16 (an int64 a quad), the weight's widen as they load: 16 bytes of
-// a k-quad's run are 4 columns x 4 k, and their products with the quad broadcast are each
-// column's two pair sums in adjacent lanes, added at the end (vphaddd). AVX2 has 16
-// registers, so a tile walks its panel 8 columns at a time: R rows x 2 sums + 2 weights + x.
-using XQuad = int64_t;
-constexpr int64_t kSubPanel = 8;
+// Without VNNI, x's quads signed (kXOffset 0) against the weight's: vpmaddubsw multiplies
+// |w| (u8) by x with w's sign and adds the pairs in int16 (at most 2 * 128 * 127: no
+// saturation), vpmaddwd adds those pairs into each column's int32 lane, exactly. A run of 8
+// columns' quads is one register; a tile walks its panel 16 columns at a time (AVX2 has 16
+// registers: R rows x 2 sums, 2 weights and their absolute values, x, ones).
+constexpr int32_t kXOffset = 0;
+constexpr int64_t kSubPanel = 16;
 
 template <int R>
-inline void quad_kernel(const int64_t* x, int64_t ldx, const int32_t* w, int64_t depth,
+inline void quad_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
                         int32_t* c, int64_t ldc, bool first, const pagedserve_gemm::Prefetch& pf) {
-  const auto* wb = reinterpret_cast<const int8_t*>(w);
   constexpr int64_t kSteps = kQuadPanel / kSubPanel;
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t s = 0; s < kSteps; ++s) {
     __m256i acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int64_t k = 0; k < depth; ++k) {
-      const int8_t* wk = wb + (k * kQuadPanel + s * kSubPanel) * 4;
-      const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk)));
-      const __m256i hi =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16)));
+      const auto* wk = reinterpret_cast<const __m256i*>(w + k * kQuadPanel + s * kSubPanel);
+      const __m256i w0 = _mm256_loadu_si256(wk), w1 = _mm256_loadu_si256(wk + 1);
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
       pagedserve_gemm::prefetch_step(pf, s * depth + k, kSteps * depth);
       for (int r = 0; r < R; ++r) {
-        const __m256i a = _mm256_set1_epi64x(x[r * ldx + k]);
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, lo));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, hi));
+        const __m256i xb = _mm256_set1_epi32(x[r * ldx + k]);
+        const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
+        const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(p0, ones));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
       }
     }
-    for (int r = 0; r < R; ++r) {
-      // [c0 c1 c4 c5 | c2 c3 c6 c7], then in column order
-      __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][0], acc[r][1]), 0xD8);
-      auto* out = reinterpret_cast<__m256i*>(c + r * ldc + s * kSubPanel);
-      if (!first) sums = _mm256_add_epi32(sums, _mm256_loadu_si256(out));
-      _mm256_storeu_si256(out, sums);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        auto* out = reinterpret_cast<__m256i*>(c + r * ldc + s * kSubPanel + 8 * h);
+        const __m256i sums = first ? acc[r][h] : _mm256_add_epi32(acc[r][h], _mm256_loadu_si256(out));
+        _mm256_storeu_si256(out, sums);
+      }
   }
 }
 #endif
 
 #if defined(PAGEDSERVE_PACKED_INT8)
 template <int R = kQuadRows>
-void quad_kernel_rows(int rows, const XQuad* x, int64_t ldx, const int32_t* w, int64_t depth,
+void quad_kernel_rows(int rows, const int32_t* x, int64_t ldx, const int32_t* w, int64_t depth,
                       int32_t* c, int64_t ldc, bool first, const pagedserve_gemm::Prefetch& pf) {
   if constexpr (R > 1) {
     if (rows < R) return quad_kernel_rows<R - 1>(rows, x, ldx, w, depth, c, ldc, first, pf);
@@ -308,7 +308,7 @@ torch::Tensor pack_int8_weight(torch::Tensor qweight) {
               " could overflow the int32 sums");
   const int64_t panels = (N + kQuadPanel - 1) / kQuadPanel, K4 = (K + 3) / 4;
   const auto source = at::constant_pad_nd(qweight, {0, K4 * 4 - K}).contiguous();
-  const auto corrections = source.sum(1, /*keepdim=*/false, at::kInt).mul_(128);
+  const auto corrections = source.sum(1, /*keepdim=*/false, at::kInt).mul_(kXOffset);
   auto packed = torch::zeros({panels, K4 + 1, kQuadPanel, 4}, qweight.options());
   const auto* src = reinterpret_cast<const int32_t*>(source.data_ptr<int8_t>());
   const int32_t* sums = corrections.data_ptr<int32_t>();
@@ -383,7 +383,8 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
       for (int64_t m = begin; m < end; ++m) {
         int8_t* row = qp + m * K4 * 4;
         quantize_row(src + m * K, K, row, x_scale.data_ptr<float>() + m);
-        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<int8_t>(row[k] ^ 0x80);
+        if (kXOffset != 0)
+          for (int64_t k = 0; k < K; ++k) row[k] = static_cast<int8_t>(row[k] ^ 0x80);
         std::fill(row + K, row + K4 * 4, 0);
       }
     });
@@ -391,12 +392,7 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
   const auto ws = w_scale.contiguous();
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "int8_packed_linear: bias of N elements");
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  const auto* xp = reinterpret_cast<const XQuad*>(xu.data_ptr<int8_t>());
-#else
-  const auto xw = xu.view(at::kByte).to(at::kShort);  // the AVX2 kernel's s16 quads
-  const auto* xp = reinterpret_cast<const XQuad*>(xw.data_ptr<int16_t>());
-#endif
+  const auto* xp = reinterpret_cast<const int32_t*>(xu.data_ptr<int8_t>());
   const auto* wp = reinterpret_cast<const int32_t*>(packed.data_ptr<int8_t>());
   const float* xs = x_scale.data_ptr<float>();
   const float* wsp = ws.data_ptr<float>();
