@@ -216,8 +216,8 @@ inline void quad_kernel(const int32_t* x, int64_t ldx, const int32_t* w, int64_t
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) {
         auto* out = reinterpret_cast<__m256i*>(c + r * ldc + s * kSubPanel + 8 * h);
-        const __m256i sums = first ? acc[r][h] : _mm256_add_epi32(acc[r][h], _mm256_loadu_si256(out));
-        _mm256_storeu_si256(out, sums);
+        _mm256_storeu_si256(
+            out, first ? acc[r][h] : _mm256_add_epi32(acc[r][h], _mm256_loadu_si256(out)));
       }
   }
 }
