@@ -71,17 +71,18 @@ PACKINGS = {"vector": ("pack_int8_weight", 1), "amx": ("pack_int8_weight_amx", 6
 
 @pytest.mark.parametrize("product", [
     pytest.param("vector", marks=pytest.mark.skipif(
-        not load_cpu_ops().packed_int8_available(), reason="neither AVX512-VNNI nor AVX2 here")),
+        not load_cpu_ops().packed_int8_available(), reason="no AVX512-VNNI or AVX2 here")),
     pytest.param("amx", marks=pytest.mark.skipif(
         not load_cpu_ops().amx_tiles_available(), reason="no AMX here"))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 96), (37, 50, 97), (200, 130, 2048), (450, 700, 576)])
 def test_packed_product_equals_int_mm_bit_for_bit(product, dtype, m, n, k):
-    """Our products on a packed weight (csrc/int8_ops_cpu.cpp: vpdpbusd or vpmaddwd, or
-    AMX's TDPBUSD tiles) sum the same int32s as torch._int_mm, so give the same bits: any M (chunks of
-    192 rows, tails of 16-row tiles), N (tails of a 64-column panel), K (tails of a quad;
-    AMX: K rounded up to its steps of 64), a bias, and rows and weight rows of one sign
-    (the largest sums: x + 128 as u8 must not overflow)."""
+    """Our products on a packed weight (csrc/int8_ops_cpu.cpp: vpdpbusd, or vpmaddubsw and
+    vpmaddwd, or AMX's TDPBUSD tiles) sum the same int32s as torch._int_mm, so give the same
+    bits: any M (chunks of 192 rows, tails of 16-row tiles), N (tails of a 64-column panel),
+    K (tails of a quad; AMX: K rounded up to its steps of 64), a bias, and rows and weight
+    rows of one sign (the largest sums: x + 128 as u8, and AVX2's int16 pair sums, must not
+    overflow)."""
     pack, k_step = PACKINGS[product]
     ops = load_cpu_ops()
     k = -(-k // k_step) * k_step

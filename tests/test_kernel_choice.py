@@ -179,7 +179,8 @@ def test_without_the_pair_kernel_the_choice_is_fma(fresh_cache, monkeypatch):
     assert not fresh_cache.exists()
 
 
-@pytest.mark.skipif(not load_cpu_ops().packed_int8_available(), reason="neither AVX512-VNNI nor AVX2 here")
+@pytest.mark.skipif(not load_cpu_ops().packed_int8_available(),
+                    reason="no AVX512-VNNI or AVX2 here")
 def test_int8_choice_is_timed_once_and_quantize_weight_follows_it(fresh_cache, monkeypatch):
     """The int8 product is chosen like a bfloat16 layout (timed once, cached beside it under
     its own name) and ``quantize_weight`` packs the weight only where "packed" or "amx" won."""

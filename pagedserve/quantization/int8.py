@@ -13,9 +13,9 @@ Symmetric W8A8 quantization as in SmoothQuant (whose smoothing is ``smoothquant.
 The weight stays ``[N, K]`` and is passed transposed: ``_int_mm`` was as fast or faster
 with it than with a contiguous ``[K, N]`` copy at M = 1..256 on SmolLM2's shapes
 (``benchmarks/README.md``). Our own product on a packed copy (``csrc/int8_ops_cpu.cpp``:
-``vpdpbusd`` with AVX512-VNNI, ``vpmaddwd`` with AVX2 alone, where ``_int_mm`` ran 20-35x
-slower; ``TDPBUSD`` tiles with AMX) sums the same
-int32s, so gives the same bits; each weight shape runs whichever ``int8_kernel`` timed
+``vpdpbusd`` with AVX512-VNNI; ``vpmaddubsw`` and ``vpmaddwd`` with AVX2 alone, where
+``_int_mm`` ran 20-40x slower; ``TDPBUSD`` tiles with AMX) sums the same int32s, so gives
+the same bits; each weight shape runs whichever ``int8_kernel`` timed
 faster. The float weight is dropped: a ``Linear`` holds the int8 rows as its ``weight``
 (int8 parameter, so memory accounting sees 1 byte per weight) and the pair as its
 ``method`` (``Int8Weight``). A tied LM head keeps the float embedding (the token lookup
