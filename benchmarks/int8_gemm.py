@@ -7,9 +7,9 @@ Columns, in G(FL)OP/s of ``2 * M * K * N``: ``f32`` = ``F.linear`` on a float32 
 ``int8`` = ``int8_linear`` (per-row activation quantization + ``torch._int_mm`` + scales);
 ``packed`` = ``int8_linear`` on the packed weight (our product: ``vpdpbusd`` with
 AVX512-VNNI, ``vpmaddubsw`` and ``vpmaddwd`` with AVX2 alone, else ``-``); ``amx`` = on the
-AMX-packed weight (``TDPBUSD`` tiles, CPUs with AMX, else ``-``); ``int_mm`` = ``torch._int_mm`` alone on the int8 weight
-``[N, K]`` passed transposed, as ``int8_linear`` does; ``int_mm KN`` = on a contiguous
-``[K, N]`` copy. Best of 5 timings.
+AMX-packed weight (``TDPBUSD`` tiles, CPUs with AMX, else ``-``); ``int_mm`` =
+``torch._int_mm`` alone on the int8 weight ``[N, K]`` passed transposed, as ``int8_linear``
+does; ``int_mm KN`` = on a contiguous ``[K, N]`` copy. Best of 5 timings.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || defined(__AVX2__)
 #include <immintrin.h>
+#define PAGEDSERVE_PACKED_INT8  // the packed product below: vpdpbusd, or its AVX2 kernel
 #endif
 
 #include "amx_tiles.h"
@@ -136,8 +137,7 @@ PRECISE void epilogue_row(const int32_t* acc, float xs, const float* ws, const b
   }
 }
 
-#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || defined(__AVX2__)
-#define PAGEDSERVE_PACKED_INT8
+#if defined(PAGEDSERVE_PACKED_INT8)
 // The packed weight, for both kernels below (AVX512-VNNI, AVX2) is
 // [ceil(N / 64)][ceil(K / 4) + 1][64][4] int8: per panel of 64 output columns, k in quads
 // (a quad of one column is one 32-bit lane; zero past N and K), then one row of 64 int32

@@ -10,17 +10,16 @@ Symmetric W8A8 quantization as in SmoothQuant (whose smoothing is ``smoothquant.
 - ``torch._int_mm(x_q [M, K], w_q.T [K, N])`` sums exactly in int32 (oneDNN, VNNI where the
   CPU has it) and ``acc * x_scale[m] * w_scale[n]`` (+ bias) gives the float result.
 
-The weight stays ``[N, K]`` and is passed transposed: ``_int_mm`` was as fast or faster
-with it than with a contiguous ``[K, N]`` copy at M = 1..256 on SmolLM2's shapes
+The weight stays ``[N, K]`` and is passed transposed: ``_int_mm`` was as fast or faster with
+it than with a contiguous ``[K, N]`` copy at M = 1..256 on SmolLM2's shapes
 (``benchmarks/README.md``). Our own product on a packed copy (``csrc/int8_ops_cpu.cpp``:
 ``vpdpbusd`` with AVX512-VNNI; ``vpmaddubsw`` and ``vpmaddwd`` with AVX2 alone, where
 ``_int_mm`` ran 20-40x slower; ``TDPBUSD`` tiles with AMX) sums the same int32s, so gives
-the same bits; each weight shape runs whichever ``int8_kernel`` timed
-faster. The float weight is dropped: a ``Linear`` holds the int8 rows as its ``weight``
-(int8 parameter, so memory accounting sees 1 byte per weight) and the pair as its
-``method`` (``Int8Weight``). A tied LM head keeps the float embedding (the token lookup
-needs it) and gets an int8 copy. Layers named in ``quantize_model``'s ``skip`` stay in
-float.
+the same bits; each weight shape runs whichever ``int8_kernel`` timed faster. The float
+weight is dropped: a ``Linear`` holds the int8 rows as its ``weight`` (int8 parameter, so
+memory accounting sees 1 byte per weight) and the pair as its ``method`` (``Int8Weight``). A
+tied LM head keeps the float embedding (the token lookup needs it) and gets an int8 copy.
+Layers named in ``quantize_model``'s ``skip`` stay in float.
 ``Int8Method`` first moves activation outliers into the weights (``smoothquant.py``).
 """
 
