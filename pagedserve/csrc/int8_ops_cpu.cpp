@@ -380,12 +380,16 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
     const scalar_t* src = xc.data_ptr<scalar_t>();
     int8_t* qp = xu.data_ptr<int8_t>();
     at::parallel_for(0, M, kGrain, [&](int64_t begin, int64_t end) {
+      // Copies, not the captured references: a store through int8_t* may alias anything,
+      // so a loop bound read through a reference is reloaded after every byte stored and
+      // the loop runs a byte at a time (13% of a 2,048 x 576 x 576 product).
+      const int64_t cols = K, padded = K4 * 4;
       for (int64_t m = begin; m < end; ++m) {
-        int8_t* row = qp + m * K4 * 4;
-        quantize_row(src + m * K, K, row, x_scale.data_ptr<float>() + m);
+        int8_t* row = qp + m * padded;
+        quantize_row(src + m * cols, cols, row, x_scale.data_ptr<float>() + m);
         if (kXOffset != 0)
-          for (int64_t k = 0; k < K; ++k) row[k] = static_cast<int8_t>(row[k] ^ 0x80);
-        std::fill(row + K, row + K4 * 4, 0);
+          for (int64_t k = 0; k < cols; ++k) row[k] = static_cast<int8_t>(row[k] ^ 0x80);
+        std::fill(row + cols, row + padded, 0);
       }
     });
   });
