@@ -38,9 +38,10 @@ PROMPT = "t3 t4 t5"
 PROMPT_IDS = [3, 4, 5]
 MAX_TOKENS = 8
 # A stream that outlives the runtime loads and unloads done beside it (the prompt is 3
-# tokens: it nearly fills MAX_MODEL_LEN).
-LONG_TOKENS = 400
-MAX_MODEL_LEN = 512
+# tokens: it nearly fills MAX_MODEL_LEN). The tiny model decodes a token in well under a
+# millisecond on a fast core: 400 tokens sometimes ended before an adapter had loaded.
+LONG_TOKENS = 4000
+MAX_MODEL_LEN = 4096
 START_TIMEOUT = 600  # seconds; the shared 2-core machine can be very slow under load
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 # name -> (rank, alpha, target modules, use_rslora); "big" exceeds --max-lora-rank 8
