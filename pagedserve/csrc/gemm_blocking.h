@@ -37,11 +37,13 @@ inline void prefetch_step(const Prefetch& pf, int64_t k, int64_t depth) {
   for (int64_t j = k; j < pf.lines; j += depth) __builtin_prefetch(pf.addr + 64 * j, 0, 3);
 }
 
-// Threads split the panels: no two threads share an output element (no split-K). Per block
-// of kBlock panels (their runs share x's runs in L2) and chunk of kChunkRows rows: K in
-// runs of kDepth, rows in groups of kGroup, then the chunk is finished. The weights are
-// `packed` [panels][panel_stride] (W elements), panel p's run at k0 the kDepth x kWidth
-// elements from packed + p * panel_stride + k0 * kWidth.
+// Threads split the output, never K (no split-K): the panels, and where their count does
+// not divide evenly, the rows of the panel at a boundary (N = 576 is 9 panels of 64: 5/4 on
+// two threads left one waiting ~10% of an o or down product). Per block of kBlock panels
+// (their runs share x's runs in L2) and chunk of kChunkRows rows: K in runs of kDepth, rows
+// in groups of kGroup, then the chunk is finished. The weights are `packed`
+// [panels][panel_stride] (W elements), panel p's run at k0 the kDepth x kWidth elements
+// from packed + p * panel_stride + k0 * kWidth.
 //   tile(rows, m, k0, depth, w, c, ldc, pf): rows [m, m + rows) against the run w at k0,
 //       into c (accumulators of the group's first row and the panel's first column, rows
 //       ldc apart; the run at k0 == 0 starts the chains), prefetching pf;
@@ -53,20 +55,19 @@ inline void prefetch_step(const Prefetch& pf, int64_t k, int64_t depth) {
 // cache too: a 1B model's decode-step GEMMs at 36 rows ran 1.3x faster. A chunk of one group (a
 // lone request's decode) prefetches nothing: it is bound by memory bandwidth alone, and the
 // hardware prefetcher streams it faster (0.71x at one row with the prefetch).
+// A row's chain is the same whichever thread runs it and whichever rows share its group.
 template <typename Acc, int64_t kBlock, int64_t kDepth, int kGroup, int64_t kWidth,
           typename W, typename Tile, typename Flush>
 void for_each_tile(int64_t M, int64_t K, const W* packed, int64_t panels, int64_t panel_stride,
                    const Tile& tile, const Flush& flush) {
   constexpr int64_t ldc = kBlock * kWidth;
   const auto run = [&](int64_t p, int64_t k0) { return packed + p * panel_stride + k0 * kWidth; };
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<Acc> buffer;  // reused by every call on this thread
-    buffer.resize(std::max<int64_t>(buffer.size(), std::min(M, kChunkRows) * ldc));
-    Acc* c = buffer.data();
+  // Panels [begin, end), rows [m_begin, m_end) of each, with accumulators c.
+  const auto tiles = [&](int64_t begin, int64_t end, int64_t m_begin, int64_t m_end, Acc* c) {
     for (int64_t p0 = begin; p0 < end; p0 += kBlock) {
       const int64_t p1 = std::min(end, p0 + kBlock);
-      for (int64_t m_chunk = 0; m_chunk < M; m_chunk += kChunkRows) {
-        const int64_t chunk = std::min(kChunkRows, M - m_chunk);
+      for (int64_t m_chunk = m_begin; m_chunk < m_end; m_chunk += kChunkRows) {
+        const int64_t chunk = std::min(kChunkRows, m_end - m_chunk);
         const int64_t groups = (chunk + kGroup - 1) / kGroup;
         for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
           const int64_t depth = std::min(kDepth, K - k0);
@@ -74,7 +75,7 @@ void for_each_tile(int64_t M, int64_t K, const W* packed, int64_t panels, int64_
           // again, for the next chunk) first.
           const bool last = k0 + kDepth >= K;
           const int64_t next_k0 = last ? 0 : k0 + kDepth;
-          const int64_t next_p0 = last && m_chunk + kChunkRows >= M ? p1 : p0;
+          const int64_t next_p0 = last && m_chunk + kChunkRows >= m_end ? p1 : p0;
           const int64_t lines =
               (std::min(kDepth, K - next_k0) * kWidth * int64_t{sizeof(W)} + 63) / 64;
           for (int64_t g = 0; g < groups; ++g) {
@@ -94,6 +95,27 @@ void for_each_tile(int64_t M, int64_t K, const W* packed, int64_t panels, int64_
         flush(static_cast<const Acc*>(c), ldc, m_chunk, chunk, p0 * kWidth, p1 * kWidth);
       }
     }
+  };
+  // Work in units of (panel, group of kGroup rows), panel-major; each thread an equal run.
+  const int64_t groups = (M + kGroup - 1) / kGroup, units = panels * groups;
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), units);
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    thread_local std::vector<Acc> buffer;  // reused by every call on this thread
+    buffer.resize(std::max<int64_t>(buffer.size(), std::min(M, kChunkRows) * ldc));
+    const int64_t u0 = units * part_begin / parts, u1 = units * part_end / parts;
+    const int64_t first = u0 / groups, last = (u1 - 1) / groups;  // panels touched
+    // rows [m_first, M) of the first panel, [0, m_last) of the last
+    const int64_t m_first = u0 % groups * kGroup;
+    const int64_t m_last = std::min(M, ((u1 - 1) % groups + 1) * kGroup);
+    if (first == last) {
+      tiles(first, first + 1, m_first, m_last, buffer.data());
+      return;
+    }
+    int64_t full_begin = first;
+    if (m_first > 0) tiles(first, first + 1, m_first, M, buffer.data()), ++full_begin;
+    const int64_t full_end = m_last < M ? last : last + 1;
+    tiles(full_begin, full_end, 0, M, buffer.data());
+    if (m_last < M) tiles(last, last + 1, 0, m_last, buffer.data());
   });
 }
 
