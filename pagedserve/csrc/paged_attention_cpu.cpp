@@ -462,7 +462,7 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
     // prefetcher does not follow: they are asked for while this one computes. After the
     // last tile, the next row's first (64-key decodes at batch 64: 1.1-1.4x).
     int64_t next_n = std::min(kTileKeys, std::max<int64_t>(0, hi - start - kTileKeys));
-    bool next_cold = keys.cold;
+    bool next_cold = cold;
     if (next_n > 0) {
       tile_rows(k_base, v_base, table, start + kTileKeys, next_n, block_size, token_stride,
                 krows[t ^ 1], vrows[t ^ 1]);
@@ -489,7 +489,7 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
         const int64_t h = g * group + i;
         const bool this_tile = g + 1 < kv_heads;
         // (a count, not a branch around the arithmetic: one code path, the same bits)
-        const int64_t ahead = this_tile ? (keys.cold ? n : 0) : (next_cold ? next_n : 0);
+        const int64_t ahead = this_tile ? (cold ? n : 0) : (next_cold ? next_n : 0);
         const int64_t p0 = ahead * i / group, p1 = ahead * (i + 1) / group;
         prefetch_rows((this_tile ? krows[t] : krows[t ^ 1]) + p0,
                       (this_tile ? vrows[t] : vrows[t ^ 1]) + p0, p1 - p0,
