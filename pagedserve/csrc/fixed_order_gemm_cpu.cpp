@@ -18,8 +18,8 @@
 // kPanelsPerBlock * kPanel weights, L2-sized) is reused by every kRows rows of a chunk of
 // x's rows; between runs the accumulators go to a float32 buffer and come back, which
 // continues the same chain (a float32 store and load are exact); gemm_blocking.h has the
-// loops. Threads split the panels: no thread ever shares an output element, so there is no
-// split-K and no reduction across threads.
+// loops. Threads split the output (the panels, and a boundary panel's rows): no thread ever
+// shares an output element, so there is no split-K and no reduction across threads.
 //
 // bfloat16 is the top half of a float32: its weights and rows convert exactly (a widen and
 // a shift), the sums stay float32, and a bfloat16 result is rounded once at the end.
