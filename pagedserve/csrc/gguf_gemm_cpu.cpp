@@ -309,6 +309,7 @@ struct Lanes {
   static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static inline I zero() { return _mm512_setzero_si512(); }
   static inline I add(I a, int32_t b) { return _mm512_add_epi32(a, _mm512_set1_epi32(b)); }
+  static inline I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static inline F fzero() { return _mm512_setzero_ps(); }
   static inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static inline F mul(F a, float b) { return _mm512_mul_ps(a, _mm512_set1_ps(b)); }
@@ -385,6 +386,7 @@ struct Lanes {
   static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static inline I zero() { return _mm256_setzero_si256(); }
   static inline I add(I a, int32_t b) { return _mm256_add_epi32(a, _mm256_set1_epi32(b)); }
+  static inline I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static inline F fzero() { return _mm256_setzero_ps(); }
   static inline F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static inline F mul(F a, float b) { return _mm256_mul_ps(a, _mm256_set1_ps(b)); }
@@ -457,11 +459,19 @@ void quantize_x_block(const In* x, int8_t* q, float* d, float* s, int32_t* sum,
 
 // Per lane, the sum over k of register w[k]'s 4 unsigned bytes times activation quants
 // 4k..4k+3 (k from k0 to k1 - 1): a block's integer dot products for the tile's rows.
+// Two chains, even and odd k, added at the end: integer sums, so the same result in any
+// order, and half the latency of one chain of vpdpbusd (Q4_1 GEMMs on SmolLM2's shapes
+// 1.05-1.14x, Zen 5).
 inline Lanes::I dot_u8_block(const Lanes::I w[8], const int32_as_bytes* a4, int k0 = 0,
                              int k1 = 8) {
-  Lanes::I acc = Lanes::zero();
-  for (int k = k0; k < k1; ++k) acc = Lanes::dot_u8(acc, w[k], a4[k]);
-  return acc;
+  Lanes::I even = Lanes::zero(), odd = Lanes::zero();
+  int k = k0;
+  for (; k + 2 <= k1; k += 2) {
+    even = Lanes::dot_u8(even, w[k], a4[k]);
+    odd = Lanes::dot_u8(odd, w[k + 1], a4[k + 1]);
+  }
+  if (k < k1) even = Lanes::dot_u8(even, w[k], a4[k]);
+  return Lanes::add(even, odd);
 }
 
 // A format says, for kRows rows of a tile: how to load a block's scales (once per block,
