@@ -497,7 +497,7 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
                       this_tile ? offset + D : 0, D);
         // ... and its share of the whole next tile, every KV head, a tile ahead: its misses
         // then overlap this tile's arithmetic instead of following it (the lines reach L1
-        // again by the request above). Decode batches 1.12-1.17x (Zen 5, 64 rows x 64-256
+        // again by the request above). Decode batches 1.07-1.17x (Zen 5, 64 rows x 64-256
         // keys, benchmarks/README.md).
         const int64_t far = next_cold ? next_n : 0;
         const int64_t f0 = far * h / num_heads, f1 = far * (h + 1) / num_heads;
