@@ -19,9 +19,8 @@
 // shuffles), exponentials a register at a time and one rescale of the running max and
 // sum; then all of them accumulate V together, each V row loaded once. A decode step
 // reads every layer's context from DRAM once, and the blocks are scattered over pages the
-// hardware prefetcher does not follow, so the rows of the next (tile, KV head), and after
-// a row's last tile the next row's first, are prefetched while this one computes, and the
-// whole next tile (every KV head) a tile ahead. Head sizes 64 and 128 get register-blocked
+// hardware prefetcher does not follow, so each thread asks for its rows a tile ahead of
+// the reads, a few lines per key its loops visit (KeyStream). Head sizes 64 and 128 get register-blocked
 // loops (AVX-512 registers where the CPU has them); other sizes take plain loops the
 // compiler vectorizes.
 // All arithmetic is float32 whatever the storage dtype (bfloat16 converts in registers);
@@ -113,30 +112,113 @@ inline v8f sum8x8(const v8f* x) {
          __builtin_shufflevector(lo4, hi4, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+// The keys a query row (or part of it) attends to: K and V at its first KV head, its
+// sequence's block table, positions [lo, hi). `cold`: its rows are prefetched (a decode
+// row, a prompt chunk's first row, a thread's first item); a prompt chunk's later rows
+// find the rows the row before read in L1/L2, where prefetching them again only costs
+// instructions (prompt attention 1.15x faster without, Zen 5).
+template <typename T>
+struct Keys {
+  const T* k_base;
+  const T* v_base;
+  const int64_t* table;
+  int64_t lo, hi;
+  bool cold;
+};
+
+// A thread's K and V rows, in the order its items read them (the keys of its cold items),
+// asked for ahead of the arithmetic and in step with it: the loops over a tile's keys
+// report each key they visit (per KV head, each query head's scores and then V visit it),
+// and each visit asks for its share of a key's lines, so the requests run a tile's keys
+// (kTileKeys) ahead of the reads, across tiles and rows. The rows of a row's later tiles
+// and of the thread's next row are on other pages (blocks are scattered) that the hardware
+// prefetcher does not follow. A core waits on only so many misses at once (~24 lines on
+// Zen 5): requests made in a burst stall it until the first arrive, the arithmetic with
+// them; spread over the keys, the arithmetic goes on while they arrive (decode batches
+// 1.x-1.x faster than a burst per query head, Zen 5, benchmarks/README.md).
+template <typename T>
+class KeyStream {
+ public:
+  // items [0, count): the thread's, in order; lines: a K (and a V) row's cache lines, at
+  // an item's first KV head; visits: per key, by the loops.
+  KeyStream(const Keys<T>* items, int64_t count, int64_t block_size, int64_t token_stride,
+            int64_t lines, int64_t visits)
+      : items_(items), count_(count), block_size_(block_size), token_stride_(token_stride),
+        lines_(lines), visits_(visits) {
+    item_ = -1;
+    next_item();
+    for (int64_t i = 0; i < 2 * lines_ * kTileKeys; ++i) ask();  // nothing is in flight yet
+  }
+
+  // After `visits` more visits (of any keys).
+  inline void next(int64_t visits = 1) {
+    credit_ += visits * 2 * lines_;
+    for (; credit_ >= visits_; credit_ -= visits_) ask();
+  }
+
+ private:
+  void ask() {
+    if (item_ == count_) return;  // (the constructor's asks)
+    constexpr int64_t kLine = 64 / sizeof(T);
+    const Keys<T>& keys = items_[item_];
+    __builtin_prefetch(
+        line_ < lines_ ? keys.k_base + row_ + line_ * kLine
+                       : keys.v_base + row_ + (line_ - lines_) * kLine, 0, 3);
+    if (++line_ < 2 * lines_) return;
+    line_ = 0;
+    if (++pos_ < keys.hi)
+      row_ = key_row(keys.table, pos_, block_size_, token_stride_);
+    else
+      next_item();
+  }
+
+  // The next cold item (a warm one's rows were read by the row before), or the end.
+  void next_item() {
+    do ++item_;
+    while (item_ < count_ && (!items_[item_].cold || items_[item_].lo == items_[item_].hi));
+    if (item_ == count_) {
+      visits_ = INT64_MAX;  // nothing left: no visit earns a line
+      return;
+    }
+    pos_ = items_[item_].lo;
+    row_ = key_row(items_[item_].table, pos_, block_size_, token_stride_);
+  }
+
+  const Keys<T>* items_;
+  int64_t count_, block_size_, token_stride_, lines_, visits_;
+  int64_t item_ = 0, pos_ = 0, row_ = 0, line_ = 0;  // the next line to ask for
+  int64_t credit_ = 0;  // lines earned, in units of 1 / visits_
+};
+
 // scores[j] = q . k_j, k_j = rows[j] + offset, for a head of D = kLanes * kChunks
-// floats, eight keys at a time so that their horizontal sums share shuffles.
+// floats, eight keys at a time so that their horizontal sums share shuffles; the last
+// keys of a tile in the same sums, zeros in place of the keys past n, so that each key's
+// sum is the same whatever its place in the tile (and whatever the compiler makes of a
+// loop's reduction).
 template <int kChunks, typename T>
 inline void dot_keys(const float* q, const T* const* rows, int64_t offset, int64_t n,
-                     float* scores) {
+                     float* scores, KeyStream<T>& prefetch) {
   vf qv[kChunks];
   for (int c = 0; c < kChunks; ++c) qv[c] = loadv(q + kLanes * c);
+  auto dot = [&](const T* k) {
+    vf a = qv[0] * loadv(k);
+    for (int c = 1; c < kChunks; ++c) a += qv[c] * loadv(k + kLanes * c);
+    return fold8(a);
+  };
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     v8f acc[8];
-    for (int i = 0; i < 8; ++i) {
-      const T* k = rows[j + i] + offset;
-      vf a = qv[0] * loadv(k);
-      for (int c = 1; c < kChunks; ++c) a += qv[c] * loadv(k + kLanes * c);
-      acc[i] = fold8(a);
-    }
+    for (int i = 0; i < 8; ++i) acc[i] = dot(rows[j + i] + offset);
     const v8f sums = sum8x8(acc);
     std::memcpy(scores + j, &sums, sizeof(sums));
+    prefetch.next(8);
   }
-  for (; j < n; ++j) {
-    const T* k = rows[j] + offset;
-    vf a = qv[0] * loadv(k);
-    for (int c = 1; c < kChunks; ++c) a += qv[c] * loadv(k + kLanes * c);
-    scores[j] = sum8(fold8(a));
+  if (j < n) {
+    v8f acc[8] = {};
+    for (int i = 0; j + i < n; ++i) acc[i] = dot(rows[j + i] + offset);
+    const v8f sums = sum8x8(acc);
+    std::memcpy(scores + j, &sums, (n - j) * sizeof(float));
+    prefetch.next(n - j);
   }
 }
 
@@ -144,10 +226,12 @@ inline void dot_keys(const float* q, const T* const* rows, int64_t offset, int64
 // scores[j] = scale * (q . k_j) for a bfloat16 query head and bfloat16 keys, D = 32 * kRegs:
 // vdpbf16ps multiplies 32 bfloat16 pairs into 16 float32 lanes (exact products, float32
 // sums), so the keys are used as stored, not widened first: a third of the instructions
-// of the float32 loop. Eight keys at a time, their horizontal sums sharing shuffles.
+// of the float32 loop. Eight keys at a time, their horizontal sums sharing shuffles, and
+// the last ones as dot_keys has them.
 template <int kRegs>
 inline void dot_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* const* rows,
-                          int64_t offset, int64_t n, float scale, float* scores) {
+                          int64_t offset, int64_t n, float scale, float* scores,
+                          KeyStream<c10::BFloat16>& prefetch) {
   __m512bh qv[kRegs];
   for (int c = 0; c < kRegs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   auto dot = [&](const c10::BFloat16* k) {
@@ -162,8 +246,15 @@ inline void dot_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* const* ro
     for (int i = 0; i < 8; ++i) acc[i] = dot(rows[j + i] + offset);
     const v8f sums = sum8x8(acc) * scale;
     std::memcpy(scores + j, &sums, sizeof(sums));
+    prefetch.next(8);
   }
-  for (; j < n; ++j) scores[j] = sum8(dot(rows[j] + offset)) * scale;
+  if (j < n) {
+    v8f acc[8] = {};
+    for (int i = 0; j + i < n; ++i) acc[i] = dot(rows[j + i] + offset);
+    const v8f sums = sum8x8(acc) * scale;
+    std::memcpy(scores + j, &sums, (n - j) * sizeof(float));
+    prefetch.next(n - j);
+  }
 }
 #endif
 
@@ -226,7 +317,7 @@ template <int kSteps>
 inline void score_keys_amx(const uint32_t* q_pairs, const c10::BFloat16* const* rows,
                            int64_t offset, int64_t n, int64_t token_stride, bool in_place,
                            int64_t group, float scale, float* scores, c10::BFloat16* k_copy,
-                           float* sums) {
+                           float* sums, KeyStream<c10::BFloat16>& prefetch) {
   constexpr int64_t D = 32 * kSteps;
   const int64_t ldb = group * 4;
   _tile_loadd(4, q_pairs, ldb);
@@ -247,6 +338,7 @@ inline void score_keys_amx(const uint32_t* q_pairs, const c10::BFloat16* const* 
       PAGEDSERVE_SCORE_ROWS(0);
     else
       PAGEDSERVE_SCORE_ROWS(1);
+    prefetch.next(count * group);  // as the heads' loops would
   }
   for (int64_t i = 0; i < group; ++i)
     for (int64_t j = 0; j < n; ++j) scores[i * kTileKeys + j] = sums[j * group + i] * scale;
@@ -261,7 +353,7 @@ inline void score_keys_amx(const uint32_t* q_pairs, const c10::BFloat16* const* 
 // than 8 chains (heads x chunks), even and odd keys get accumulators of their own.
 template <int kChunks, int kH, typename T>
 inline void accumulate_v(float* acc, const float* p, const T* const* rows, int64_t offset,
-                         int64_t n) {
+                         int64_t n, KeyStream<T>& prefetch, int64_t visits) {
   constexpr int64_t D = kLanes * kChunks;
   constexpr bool kSplit = kH * kChunks < 8;
   vf a[kH][kChunks], b[kH][kChunks];
@@ -279,12 +371,15 @@ inline void accumulate_v(float* acc, const float* p, const T* const* rows, int64
           b[h][c] += p[h * kTileKeys + j + 1] * x1;
         }
       }
+      prefetch.next(2 * visits);
     }
-  for (; j < n; ++j)
+  for (; j < n; ++j) {
     for (int c = 0; c < kChunks; ++c) {
       const vf x = loadv(rows[j] + offset + kLanes * c);
       for (int h = 0; h < kH; ++h) a[h][c] += p[h * kTileKeys + j] * x;
     }
+    prefetch.next(visits);
+  }
   for (int h = 0; h < kH; ++h)
     for (int c = 0; c < kChunks; ++c) storev(acc + h * D + kLanes * c, a[h][c] + b[h][c]);
 }
@@ -293,7 +388,8 @@ inline void accumulate_v(float* acc, const float* p, const T* const* rows, int64
 // hold (accumulators and one V row: 32 registers with AVX-512, 16 with AVX2).
 template <int kChunks, typename T>
 inline void accumulate_v_group(float* acc, const float* p, const T* const* rows,
-                               int64_t offset, int64_t n, int64_t group) {
+                               int64_t offset, int64_t n, int64_t group,
+                               KeyStream<T>& prefetch) {
   constexpr int kRegisters = kLanes == 16 ? 32 : 16;
   constexpr int kMaxH = std::clamp((kRegisters - kChunks) / kChunks, 1, 4);
   constexpr int64_t D = kLanes * kChunks;
@@ -301,22 +397,27 @@ inline void accumulate_v_group(float* acc, const float* p, const T* const* rows,
     float* acc_h = acc + h * D;
     const float* p_h = p + h * kTileKeys;
     const int64_t heads = std::min<int64_t>(kMaxH, group - h);
+    const int64_t visits = h == 0;  // a key's one V visit, whatever the passes
     if (kMaxH >= 4 && heads == 4)
-      accumulate_v<kChunks, std::min(kMaxH, 4)>(acc_h, p_h, rows, offset, n);
+      accumulate_v<kChunks, std::min(kMaxH, 4)>(acc_h, p_h, rows, offset, n, prefetch,
+                                                 visits);
     else if (kMaxH >= 3 && heads == 3)
-      accumulate_v<kChunks, std::min(kMaxH, 3)>(acc_h, p_h, rows, offset, n);
+      accumulate_v<kChunks, std::min(kMaxH, 3)>(acc_h, p_h, rows, offset, n, prefetch,
+                                                 visits);
     else if (kMaxH >= 2 && heads == 2)
-      accumulate_v<kChunks, std::min(kMaxH, 2)>(acc_h, p_h, rows, offset, n);
+      accumulate_v<kChunks, std::min(kMaxH, 2)>(acc_h, p_h, rows, offset, n, prefetch,
+                                                 visits);
     else
-      accumulate_v<kChunks, 1>(acc_h, p_h, rows, offset, n);
+      accumulate_v<kChunks, 1>(acc_h, p_h, rows, offset, n, prefetch, visits);
   }
 }
 
 // The same for any D (the compiler vectorizes the loops over it).
 template <typename T>
 inline void dot_keys_any(const float* q, const T* const* rows, int64_t offset, int64_t n,
-                         int64_t D, float* scores) {
+                         int64_t D, float* scores, KeyStream<T>& prefetch) {
   for (int64_t j = 0; j < n; ++j) {
+    prefetch.next();
     const T* k = rows[j] + offset;
     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -327,8 +428,10 @@ inline void dot_keys_any(const float* q, const T* const* rows, int64_t offset, i
 
 template <typename T>
 inline void accumulate_v_any(float* acc, const float* p, const T* const* rows,
-                             int64_t offset, int64_t n, int64_t D) {
+                             int64_t offset, int64_t n, int64_t D, KeyStream<T>& prefetch,
+                             int64_t visits) {
   for (int64_t j = 0; j < n; ++j) {
+    prefetch.next(visits);
     const T* v = rows[j] + offset;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * static_cast<float>(v[d]);
@@ -376,36 +479,6 @@ void tile_rows(const T* k_base, const T* v_base, const int64_t* table, int64_t s
   }
 }
 
-// Asks for rows[0:n] + offset .. + offset + D of K and V into L1 (a tile's rows of one KV
-// head fit: 32 KB in float32; asking for L2 only was 15-20% slower on decode batches of
-// 16-64 on an AVX-512 Xeon, and no faster on an AMX one). Called per query head with its
-// share of the next (tile, KV head)'s rows, so the requests spread over the work instead
-// of stalling in one burst on the few outstanding misses a core may have.
-template <typename T>
-inline void prefetch_rows(const T* const* krows, const T* const* vrows, int64_t n,
-                          int64_t offset, int64_t D) {
-  constexpr int64_t kLine = 64 / sizeof(T);
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t c = 0; c < D; c += kLine) {
-      __builtin_prefetch(krows[j] + offset + c, 0, 3);
-      __builtin_prefetch(vrows[j] + offset + c, 0, 3);
-    }
-}
-
-// The keys a query row (or part of it) attends to: K and V at its first KV head, its
-// sequence's block table, positions [lo, hi). `cold`: its rows are prefetched (a decode
-// row, a prompt chunk's first row, a thread's first item); a prompt chunk's later rows
-// find the rows the row before read in L1/L2, where prefetching them again only costs
-// instructions (prompt attention 1.15x faster without, Zen 5).
-template <typename T>
-struct Keys {
-  const T* k_base;
-  const T* v_base;
-  const int64_t* table;
-  int64_t lo, hi;
-  bool cold;
-};
-
 // kD: the head size when it is 64 or 128 (register-blocked loops), else 0 (any size).
 // scalar_t: the query's and output's dtype; cache_t: the KV cache's (the same, or
 // bfloat16 under --kv-cache-dtype bfloat16). kAmx: scores on AMX tiles (score_keys_amx;
@@ -413,7 +486,7 @@ struct Keys {
 template <typename scalar_t, typename cache_t, int kD, bool kAmx>
 void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, these heads
                 const Keys<cache_t>& keys,
-                const Keys<cache_t>& next_keys,  // the thread's next row: prefetched
+                KeyStream<cache_t>& prefetch,  // the thread's: visits reported
                 int64_t block_size, int64_t token_stride, int64_t kv_heads, int64_t group,
                 int64_t head_dim, float scale, scalar_t* out) {
   // Per tile and KV head: each query head sharing it (GQA) scores the tile's keys and
@@ -434,8 +507,8 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
   std::vector<float> qf(kDotBf16 ? 0 : num_heads * D), acc(num_heads * D, 0.f);
   std::vector<float> m(num_heads, -INFINITY), l(num_heads, 0.f);
   std::vector<float> scores(group * kTileKeys);  // [group, kTileKeys]: this KV head's
-  const cache_t* krows[2][kTileKeys];
-  const cache_t* vrows[2][kTileKeys];
+  const cache_t* krows[kTileKeys];
+  const cache_t* vrows[kTileKeys];
   if constexpr (!kDotBf16)
     for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
 #if defined(PAGEDSERVE_AMX)
@@ -452,76 +525,44 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
   static_assert(!kAmx);
 #endif
 
-  const auto [k_base, v_base, table, lo, hi, cold] = keys;
+  const cache_t* k_base = keys.k_base;
+  const cache_t* v_base = keys.v_base;
+  const int64_t lo = keys.lo, hi = keys.hi;
 #if defined(PAGEDSERVE_AMX)
   [[maybe_unused]] const bool in_place = block_size % kRows == 0 && lo % kRows == 0;
 #endif
-  int64_t n = std::min(kTileKeys, hi - lo);
-  tile_rows(k_base, v_base, table, lo, n, block_size, token_stride, krows[0], vrows[0]);
-  for (int64_t start = lo, t = 0; start < hi; start += kTileKeys, t ^= 1) {
-    // The next tile's rows are on other pages (blocks are scattered), where the hardware
-    // prefetcher does not follow: they are asked for while this one computes. After the
-    // last tile, the next row's first (64-key decodes at batch 64: 1.1-1.4x).
-    int64_t next_n = std::min(kTileKeys, std::max<int64_t>(0, hi - start - kTileKeys));
-    bool next_cold = cold;
-    if (next_n > 0) {
-      tile_rows(k_base, v_base, table, start + kTileKeys, next_n, block_size, token_stride,
-                krows[t ^ 1], vrows[t ^ 1]);
-    } else {
-      next_n = std::min(kTileKeys, next_keys.hi - next_keys.lo);
-      next_cold = next_keys.cold;
-      tile_rows(next_keys.k_base, next_keys.v_base, next_keys.table, next_keys.lo, next_n,
-                block_size, token_stride, krows[t ^ 1], vrows[t ^ 1]);
-    }
+  for (int64_t start = lo; start < hi; start += kTileKeys) {
+    const int64_t n = std::min(kTileKeys, hi - start);
+    tile_rows(k_base, v_base, keys.table, start, n, block_size, token_stride, krows, vrows);
     for (int64_t g = 0; g < kv_heads; ++g) {
       const int64_t offset = g * D;
 #if defined(PAGEDSERVE_AMX)
       if constexpr (kAmx)
-        score_keys_amx<kSteps>(q_pairs.data() + g * pairs_per_kv_head, krows[t], offset, n,
+        score_keys_amx<kSteps>(q_pairs.data() + g * pairs_per_kv_head, krows, offset, n,
                                token_stride, in_place, group, scale, scores.data(), k_copy,
-                               sums);
+                               sums, prefetch);
 #endif
       for (int64_t i = 0; i < group; ++i) {
-        // Each query head asks for its share of the rows of the next KV head of this tile,
-        // or after the last, of the next tile's first: in smaller bursts than all at once,
-        // 7-15% faster decode steps (36 x 300 keys); one KV head ahead, not a whole tile
-        // (three KV heads of bfloat16 rows fill L1): 1.0-1.1x at 256 keys, 1.1-1.4x at 64
-        // (AMX Xeon, benchmarks/README.md).
         const int64_t h = g * group + i;
-        const bool this_tile = g + 1 < kv_heads;
-        // (a count, not a branch around the arithmetic: one code path, the same bits)
-        const int64_t ahead = this_tile ? (cold ? n : 0) : (next_cold ? next_n : 0);
-        const int64_t p0 = ahead * i / group, p1 = ahead * (i + 1) / group;
-        prefetch_rows((this_tile ? krows[t] : krows[t ^ 1]) + p0,
-                      (this_tile ? vrows[t] : vrows[t ^ 1]) + p0, p1 - p0,
-                      this_tile ? offset + D : 0, D);
-        // ... and its share of the whole next tile, every KV head, a tile ahead: its misses
-        // then overlap this tile's arithmetic instead of following it (the lines reach L1
-        // again by the request above). Decode batches 1.07-1.17x (Zen 5, 64 rows x 64-256
-        // keys, benchmarks/README.md).
-        const int64_t far = next_cold ? next_n : 0;
-        const int64_t f0 = far * h / num_heads, f1 = far * (h + 1) / num_heads;
-        prefetch_rows(krows[t ^ 1] + f0, vrows[t ^ 1] + f0, f1 - f0, 0, kv_heads * D);
         float* scores_h = scores.data() + i * kTileKeys;
 #ifdef __AVX512BF16__
         if constexpr (kDotBf16 && !kAmx)
-          dot_keys_bf16<kD / 32>(q + h * D, krows[t], offset, n, scale, scores_h);
+          dot_keys_bf16<kD / 32>(q + h * D, krows, offset, n, scale, scores_h, prefetch);
 #endif
         if constexpr (!kDotBf16 && kD > 0)
-          dot_keys<kD / kLanes>(qf.data() + h * D, krows[t], offset, n, scores_h);
+          dot_keys<kD / kLanes>(qf.data() + h * D, krows, offset, n, scores_h, prefetch);
         else if constexpr (!kDotBf16)
-          dot_keys_any(qf.data() + h * D, krows[t], offset, n, D, scores_h);
+          dot_keys_any(qf.data() + h * D, krows, offset, n, D, scores_h, prefetch);
         const float correction = softmax_tile(scores_h, n, m[h], l[h]);
         if (correction != 1.f)
           for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= correction;
         if constexpr (kD == 0)
-          accumulate_v_any(acc.data() + h * D, scores_h, vrows[t], offset, n, D);
+          accumulate_v_any(acc.data() + h * D, scores_h, vrows, offset, n, D, prefetch, i == 0);
       }
       if constexpr (kD > 0)
-        accumulate_v_group<kD / kLanes>(acc.data() + g * group * D, scores.data(), vrows[t],
-                                        offset, n, group);
+        accumulate_v_group<kD / kLanes>(acc.data() + g * group * D, scores.data(), vrows,
+                                        offset, n, group, prefetch);
     }
-    n = next_n;
   }
   for (int64_t h = 0; h < num_heads; ++h) {
     const float inv = 1.f / l[h];
@@ -600,22 +641,22 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
 #if defined(PAGEDSERVE_AMX)
       if (amx) configure_score_tiles(group);
 #endif
-      auto keys_of = [&](int64_t item) {
-        if (item >= first[end]) return Keys<cache_t>{k_base, v_base, tables, 0, 0, false};
+      std::vector<Keys<cache_t>> keys(first[end] - first[begin]);  // of the thread's items
+      for (int64_t item = first[begin]; item < first[end]; ++item) {
         const int64_t t = item / parts, g = item % parts * part_heads;
         const auto [lo, hi] = key_range(t);
         const bool cold = t == starts[token_seq[t]] || item == first[begin];
-        return Keys<cache_t>{k_base + g * D, v_base + g * D, tables + token_seq[t] * max_blocks,
-                             lo, hi, cold};
-      };
-      Keys<cache_t> keys = keys_of(first[begin]);
+        keys[item - first[begin]] = {k_base + g * D, v_base + g * D,
+                                     tables + token_seq[t] * max_blocks, lo, hi, cold};
+      }
+      const int64_t lines = (part_heads * D * int64_t{sizeof(cache_t)} + 63) / 64;
+      KeyStream<cache_t> prefetch(keys.data(), keys.size(), block_size, kv_heads * D, lines,
+                                  part_heads * (group + 1));
       for (int64_t item = first[begin]; item < first[end]; ++item) {
         const int64_t t = item / parts, g = item % parts * part_heads;
         const int64_t head = t * num_heads + g * group;
-        const Keys<cache_t> next_keys = keys_of(item + 1);
-        attend(q + head * D, keys, next_keys, block_size, kv_heads * D, part_heads, group, D,
-               static_cast<float>(scale), o + head * D);
-        keys = next_keys;
+        attend(q + head * D, keys[item - first[begin]], prefetch, block_size, kv_heads * D,
+               part_heads, group, D, static_cast<float>(scale), o + head * D);
       }
 #if defined(PAGEDSERVE_AMX)
       if (amx) _tile_release();
