@@ -20,9 +20,9 @@
 // sum; then all of them accumulate V together, each V row loaded once. A decode step
 // reads every layer's context from DRAM once, and the blocks are scattered over pages the
 // hardware prefetcher does not follow, so each thread asks for its rows a tile ahead of
-// the reads, a few lines per key its loops visit (KeyStream). Head sizes 64 and 128 get register-blocked
-// loops (AVX-512 registers where the CPU has them); other sizes take plain loops the
-// compiler vectorizes.
+// the reads, a few lines per key its loops visit (KeyStream). Head sizes 64 and 128 get
+// register-blocked loops (AVX-512 registers where the CPU has them); other sizes take
+// plain loops the compiler vectorizes.
 // All arithmetic is float32 whatever the storage dtype (bfloat16 converts in registers);
 // a bfloat16 query against a bfloat16 cache scores on AMX tiles where the CPU has them
 // (all query heads of a KV head at once: score_keys_amx), else by vdpbf16ps where it has
@@ -132,10 +132,11 @@ struct Keys {
 // and each visit asks for its share of a key's lines, so the requests run a tile's keys
 // (kTileKeys) ahead of the reads, across tiles and rows. The rows of a row's later tiles
 // and of the thread's next row are on other pages (blocks are scattered) that the hardware
-// prefetcher does not follow. A core waits on only so many misses at once (~24 lines on
-// Zen 5): requests made in a burst stall it until the first arrive, the arithmetic with
-// them; spread over the keys, the arithmetic goes on while they arrive (decode batches
-// 1.x-1.x faster than a burst per query head, Zen 5, benchmarks/README.md).
+// prefetcher does not follow. A core has only so many misses in flight (two Zen 5 cores
+// read scattered 6 KiB blocks at 33 GB/s, the same bytes in order at 59): requests made
+// in a burst stall it until the first arrive, and the arithmetic with them; spread over
+// the keys, the arithmetic goes on while they arrive (decode 1.07-1.28x against a burst
+// per query head, Zen 5; benchmarks/README.md).
 template <typename T>
 class KeyStream {
  public:
@@ -145,7 +146,6 @@ class KeyStream {
             int64_t lines, int64_t visits)
       : items_(items), count_(count), block_size_(block_size), token_stride_(token_stride),
         lines_(lines), visits_(visits) {
-    item_ = -1;
     next_item();
     for (int64_t i = 0; i < 2 * lines_ * kTileKeys; ++i) ask();  // nothing is in flight yet
   }
@@ -186,7 +186,7 @@ class KeyStream {
 
   const Keys<T>* items_;
   int64_t count_, block_size_, token_stride_, lines_, visits_;
-  int64_t item_ = 0, pos_ = 0, row_ = 0, line_ = 0;  // the next line to ask for
+  int64_t item_ = -1, pos_ = 0, row_ = 0, line_ = 0;  // the next line to ask for
   int64_t credit_ = 0;  // lines earned, in units of 1 / visits_
 };
 
