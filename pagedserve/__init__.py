@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 # minutes when the host was busy that wake-up was slow: the shared workload ran at 84-149
 # output tok/s by default against 154-231 with workers that never sleep (alternating
 # runs); in quiet minutes the two were equal (benchmarks/README.md). 10M pauses, ~0.17 s
-# on those VMs (Intel's OpenMP spins 200 ms, KMP_BLOCKTIME), keeps them awake through a step's
-# Python work and still lets an idle engine's workers sleep. libgomp reads the variable
-# when torch loads, so it applies where pagedserve is imported first (the CLI, scripts
-# importing it before torch); a value the user set wins.
+# on those VMs (Intel's OpenMP spins 200 ms, KMP_BLOCKTIME), keeps them awake through a
+# step's Python work and still lets an idle engine's workers sleep. libgomp reads the
+# variable when torch loads, so it applies where pagedserve is imported first (the CLI,
+# scripts importing it before torch); a value the user set wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000000")
 
 from pagedserve.lora.request import LoRARequest

@@ -95,8 +95,8 @@ class TorchAttention:
         """Sequences after the decodes, one ``scaled_dot_product_attention`` call each.
 
         Inputs are 4-D (``[1, heads, len, D]``): PyTorch's fused CPU kernel takes only
-        those, 3-6x faster than the 3-D path (Zen 3 EPYC). Without cached context or window the
-        mask is plain causal (``is_causal``, the fastest case).
+        those, 3-6x faster than the 3-D path (Zen 3 EPYC). Without cached context or
+        window the mask is plain causal (``is_causal``, the fastest case).
         """
         start = meta.num_decodes
         for i in range(meta.num_decodes, meta.num_seqs):
