@@ -14,12 +14,12 @@
 // output columns, [ceil(N / kPanel)][K][kPanel] (zero columns pad the last panel), so a
 // panel's k-th step is one contiguous kPanel-wide load. A micro-kernel keeps kRows x kPanel
 // accumulators in registers and, per k, broadcasts one x value per row against the panel's
-// two vectors. K is cut into runs of kDepth, and a block of kPanelsPerBlock panels (kDepth x
-// kPanelsPerBlock * kPanel weights, L2-sized) is reused by every kRows rows of a chunk of
-// x's rows; between runs the accumulators go to a float32 buffer and come back, which
-// continues the same chain (a float32 store and load are exact); gemm_blocking.h has the
-// loops. Threads split the output (the panels, and a boundary panel's rows): no thread ever
-// shares an output element, so there is no split-K and no reduction across threads.
+// two vectors. K is cut into runs whose share of a panel (depth x kPanel weights) fits in
+// L1, and a panel's run is reused by every kRows rows of a chunk of x's rows; between runs
+// the accumulators go to a float32 buffer and come back, which continues the same chain (a
+// float32 store and load are exact); gemm_blocking.h has the loops. Threads split the
+// output (the panels, and a boundary panel's rows): no thread ever shares an output
+// element, so there is no split-K and no reduction across threads.
 //
 // bfloat16 is the top half of a float32: its weights and rows convert exactly (a widen and
 // a shift), the sums stay float32, and a bfloat16 result is rounded once at the end.
@@ -118,8 +118,6 @@ struct Vec {
 
 constexpr int64_t kPanel = 2 * Vec::kLanes;  // output columns per panel: two vectors
 constexpr int kRows = 6;                     // rows of x per micro-kernel call
-constexpr int64_t kDepth = 256;              // k per run: a row's run is 1 KiB (L1)
-constexpr int64_t kPanelsPerBlock = 8;       // panels sharing x's runs (L2)
 
 // c[r, 0:kPanel] (ldc apart) for r < R continued over `depth` steps of k: x (ldx apart)
 // against one panel's run w [depth][kPanel]; `first` starts the chains at zero.
@@ -183,7 +181,7 @@ auto write_to(Out* out, int64_t N) {
 template <typename W, typename Out>
 void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t panels, Out* out,
           int64_t N) {
-  pagedserve_gemm::for_each_tile<float, kPanelsPerBlock, kDepth, kRows, kPanel>(
+  pagedserve_gemm::for_each_tile<float, kRows, kPanel>(
       M, K, packed, panels, K * kPanel,
       [&](int rows, int64_t m0, int64_t k0, int64_t depth, const W* w, float* c, int64_t ldc,
           const pagedserve_gemm::Prefetch& pf) {
@@ -194,13 +192,11 @@ void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t panels,
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kHasPairs = true;
-// Wider than the FMA kernel's panels: 6 x 4 accumulators hide vdpbf16ps's latency, and a
-// panel's run (256 pairs x 64 columns, 64 KiB) is read from L2 once per 6 rows.
+// Wider than the FMA kernel's panels: 6 x 4 accumulators hide vdpbf16ps's latency; a
+// panel's run (128 pairs x 64 columns, 32 KiB, with a 48 KiB L1) stays in L1 for all rows.
 constexpr int kPairVectors = 4;                      // vectors of 16 columns a panel
 constexpr int64_t kPairPanel = 16 * kPairVectors;    // output columns per pair panel
 constexpr int kPairRows = 6;                         // rows of x per micro-kernel call
-constexpr int64_t kPairDepth = 256;                  // k-pairs per run: a row's run is 1 KiB
-constexpr int64_t kPairPanelsPerBlock = 4;           // panels sharing x's runs (L2)
 
 // As micro_kernel, over `depth` k-pairs: x holds bfloat16 pairs (ldx pairs apart), w one
 // panel's run [depth][kPairPanel] of pairs.
@@ -237,7 +233,7 @@ void pair_kernel_rows(int rows, const int32_t* x, int64_t ldx, const int32_t* w,
 // out [M, N] = x [M, K2 pairs] @ the pair-packed panels; as gemm.
 void gemm_pairs(const int32_t* x, int64_t M, int64_t K2, const int32_t* packed, int64_t panels,
                 c10::BFloat16* out, int64_t N) {
-  pagedserve_gemm::for_each_tile<float, kPairPanelsPerBlock, kPairDepth, kPairRows, kPairPanel>(
+  pagedserve_gemm::for_each_tile<float, kPairRows, kPairPanel>(
       M, K2, packed, panels, K2 * kPairPanel,
       [&](int rows, int64_t m0, int64_t k0, int64_t depth, const int32_t* w, float* c,
           int64_t ldc, const pagedserve_gemm::Prefetch& pf) {

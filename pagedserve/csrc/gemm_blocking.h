@@ -3,7 +3,7 @@
 // quad sums), after Goto & van de Geijn,
 // "Anatomy of High-Performance Matrix Multiplication" (2008). The weight is packed in
 // panels of kWidth output columns; a micro-kernel ("tile") keeps a group of kGroup rows x
-// one panel in registers over a run of kDepth steps of k. Every output element is one
+// one panel in registers over a run of steps of k. Every output element is one
 // chain over k in order whatever M is: the runs of a chain follow each other, and between
 // runs its partial sum waits in a per-thread buffer (exact: a store and a load).
 // (cpu_ops.py keys the build on this header too.)
@@ -12,14 +12,16 @@
 
 #include <ATen/Parallel.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 namespace pagedserve_gemm {
 
-// Rows of x whose partial sums a thread keeps between runs: [kChunkRows, kBlock * kWidth]
-// accumulators, 192 KiB for 256 columns. (Partial sums of all M rows at once, an [M, N]
+// Rows of x whose partial sums a thread keeps between runs: [kChunkRows, kWidth]
+// accumulators, 48 KiB for 64 float32 columns. (Partial sums of all M rows at once, an [M, N]
 // float32 result of 128 MiB for 2,048 rows of a 1B model's gate/up, cost page faults on
 // every call, and rows N * 4 bytes apart share an L2 set where N * 4 is a multiple of 64 KiB:
 // 0.65-0.75 of oneDNN's rate at 512-2,048 rows there, 0.9-1.0 in chunks.)
@@ -37,62 +39,74 @@ inline void prefetch_step(const Prefetch& pf, int64_t k, int64_t depth) {
   for (int64_t j = k; j < pf.lines; j += depth) __builtin_prefetch(pf.addr + 64 * j, 0, 3);
 }
 
+// The longest run of k a tile takes, in steps of `step_bytes` (one k-step of a panel): two
+// thirds of the L1 data cache (sysconf; 48 KiB if it does not say), so that a panel's run
+// stays in L1 while every group of rows passes over it, beside their rows of x. (A run of
+// 64 KiB, or four panels' runs between two groups, left the run in L2 and each group
+// reading it from there: on a Zen 5, 48 KiB L1, decode-step products at 16-38 rows ran
+// 1.15-1.35x slower; benchmarks/README.md.)
+inline int64_t max_run_depth(int64_t step_bytes) {
+  static const int64_t l1 = [] {
+    const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return bytes > 0 ? static_cast<int64_t>(bytes) : int64_t{48 * 1024};
+  }();
+  return std::max<int64_t>(1, 2 * l1 / 3 / step_bytes);
+}
+
 // Threads split the output, never K (no split-K): the panels, and where their count does
 // not divide evenly, the rows of the panel at a boundary (N = 576 is 9 panels of 64: 5/4 on
-// two threads left one waiting ~10% of an o or down product). Per block of kBlock panels
-// (their runs share x's runs in L2) and chunk of kChunkRows rows: K in runs of kDepth, rows
-// in groups of kGroup, then the chunk is finished. The weights are `packed`
-// [panels][panel_stride] (W elements), panel p's run at k0 the kDepth x kWidth elements
-// from packed + p * panel_stride + k0 * kWidth.
+// two threads left one waiting ~10% of an o or down product). Per panel and chunk of
+// kChunkRows rows: K in runs of equal depth (at most max_run_depth), rows in groups of
+// kGroup, then the chunk is finished. The weights are `packed` [panels][panel_stride] (W
+// elements), panel p's run at k0 the depth x kWidth elements from
+// packed + p * panel_stride + k0 * kWidth.
 //   tile(rows, m, k0, depth, w, c, ldc, pf): rows [m, m + rows) against the run w at k0,
-//       into c (accumulators of the group's first row and the panel's first column, rows
-//       ldc apart; the run at k0 == 0 starts the chains), prefetching pf;
+//       into c (accumulators of the group's first row, rows ldc apart; the run at k0 == 0
+//       starts the chains), prefetching pf;
 //   flush(c, ldc, m, rows, col0, col1): the chunk's rows [m, m + rows) are final for
 //       columns [col0, col1) (c holds column col0 first).
-// Only the first group of rows reads a run from memory; the others find it in L2. So while
-// the groups compute one run, each prefetches its share of the run its panel is read at
-// next (group g of G: lines [g L / G, (g + 1) L / G)), and the first group finds that in
-// cache too: a 1B model's decode-step GEMMs at 36 rows ran 1.3x faster. A chunk of one group (a
-// lone request's decode) prefetches nothing: it is bound by memory bandwidth alone, and the
+// Only the first group of rows reads a run from memory; the others find it in L1. So while
+// the groups compute one run, each prefetches its share of the run read next (group g of
+// G: lines [g L / G, (g + 1) L / G)), and the first group finds that in cache too: a 1B
+// model's decode-step GEMMs at 36 rows ran 1.3x faster. A chunk of one group (a lone
+// request's decode) prefetches nothing: it is bound by memory bandwidth alone, and the
 // hardware prefetcher streams it faster (0.71x at one row with the prefetch).
-// A row's chain is the same whichever thread runs it and whichever rows share its group.
-template <typename Acc, int64_t kBlock, int64_t kDepth, int kGroup, int64_t kWidth,
-          typename W, typename Tile, typename Flush>
+// A row's chain is the same whichever thread runs it, whichever rows share its group and
+// however K is cut into runs (a partial sum waits in the buffer exactly).
+template <typename Acc, int kGroup, int64_t kWidth, typename W, typename Tile, typename Flush>
 void for_each_tile(int64_t M, int64_t K, const W* packed, int64_t panels, int64_t panel_stride,
                    const Tile& tile, const Flush& flush) {
-  constexpr int64_t ldc = kBlock * kWidth;
+  constexpr int64_t ldc = kWidth;
+  const int64_t max_depth = max_run_depth(kWidth * int64_t{sizeof(W)});
+  const int64_t runs = std::max<int64_t>(1, (K + max_depth - 1) / max_depth);
+  const int64_t run_depth = std::max<int64_t>(1, (K + runs - 1) / runs);  // runs of one depth
   const auto run = [&](int64_t p, int64_t k0) { return packed + p * panel_stride + k0 * kWidth; };
   // Panels [begin, end), rows [m_begin, m_end) of each, with accumulators c.
   const auto tiles = [&](int64_t begin, int64_t end, int64_t m_begin, int64_t m_end, Acc* c) {
-    for (int64_t p0 = begin; p0 < end; p0 += kBlock) {
-      const int64_t p1 = std::min(end, p0 + kBlock);
+    for (int64_t p = begin; p < end; ++p) {
       for (int64_t m_chunk = m_begin; m_chunk < m_end; m_chunk += kChunkRows) {
         const int64_t chunk = std::min(kChunkRows, m_end - m_chunk);
         const int64_t groups = (chunk + kGroup - 1) / kGroup;
-        for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
-          const int64_t depth = std::min(kDepth, K - k0);
-          // The run read next: these panels' next k, else the next block's (or this block's
-          // again, for the next chunk) first.
-          const bool last = k0 + kDepth >= K;
-          const int64_t next_k0 = last ? 0 : k0 + kDepth;
-          const int64_t next_p0 = last && m_chunk + kChunkRows >= m_end ? p1 : p0;
+        for (int64_t k0 = 0; k0 < K; k0 += run_depth) {
+          const int64_t depth = std::min(run_depth, K - k0);
+          // The run read next: this panel's next k, else the next panel's first (or this
+          // panel's again, for the next chunk).
+          const bool last = k0 + run_depth >= K;
+          const int64_t next_k0 = last ? 0 : k0 + run_depth;
+          const int64_t next_p = last && m_chunk + kChunkRows >= m_end ? p + 1 : p;
           const int64_t lines =
-              (std::min(kDepth, K - next_k0) * kWidth * int64_t{sizeof(W)} + 63) / 64;
+              (std::min(run_depth, K - next_k0) * kWidth * int64_t{sizeof(W)} + 63) / 64;
           for (int64_t g = 0; g < groups; ++g) {
             const int64_t m0 = g * kGroup;
             const int rows = static_cast<int>(std::min<int64_t>(kGroup, chunk - m0));
             const int64_t l0 = g * lines / groups, share = (g + 1) * lines / groups - l0;
-            for (int64_t p = p0; p < p1; ++p) {
-              const int64_t next_p = next_p0 + (p - p0);
-              Prefetch pf;
-              if (groups > 1 && next_p < end)
-                pf = {reinterpret_cast<const char*>(run(next_p, next_k0)) + 64 * l0, share};
-              tile(rows, m_chunk + m0, k0, depth, run(p, k0), c + m0 * ldc + (p - p0) * kWidth,
-                   ldc, pf);
-            }
+            Prefetch pf;
+            if (groups > 1 && next_p < end)
+              pf = {reinterpret_cast<const char*>(run(next_p, next_k0)) + 64 * l0, share};
+            tile(rows, m_chunk + m0, k0, depth, run(p, k0), c + m0 * ldc, ldc, pf);
           }
         }
-        flush(static_cast<const Acc*>(c), ldc, m_chunk, chunk, p0 * kWidth, p1 * kWidth);
+        flush(static_cast<const Acc*>(c), ldc, m_chunk, chunk, p * kWidth, (p + 1) * kWidth);
       }
     }
   };

@@ -147,8 +147,6 @@ PRECISE void epilogue_row(const int32_t* acc, float xs, const float* ws, const b
 constexpr int kQuadVectors = 4;                    // vectors of 16 columns a panel
 constexpr int64_t kQuadPanel = 16 * kQuadVectors;  // output columns per panel
 constexpr int kQuadRows = 6;                       // rows of x per micro-kernel call
-constexpr int64_t kQuadDepth = 256;                // k-quads per run: a row's run is 1 KiB
-constexpr int64_t kQuadPanelsPerBlock = 4;         // panels sharing x's runs (L2)
 constexpr int64_t kMaxPackedK = 65536;             // int8.py's PACKED_MAX_K
 #endif
 
@@ -406,18 +404,15 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
     const at::ScalarType bias_type = b.defined() ? b.scalar_type() : x.scalar_type();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, bias_type, "bias", [&] {
       const scalar_t* bp = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
-      // the chunk's sums less the corrections, then the epilogue, row by row
+      // the chunk's sums less the corrections, then the epilogue, row by row (a flush is one
+      // panel's columns)
       auto flush = [&](const int32_t* c, int64_t ldc, int64_t m, int64_t rows, int64_t col0,
                        int64_t col1) {
         const int64_t width = std::min(N, col1) - col0;
-        int32_t exact[kQuadPanel * kQuadPanelsPerBlock];
+        const int32_t* corrections = wp + (col0 / kQuadPanel * panel_rows + K4) * kQuadPanel;
+        int32_t exact[kQuadPanel];
         for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t j0 = 0; j0 < width; j0 += kQuadPanel) {
-            const int64_t p = (col0 + j0) / kQuadPanel;
-            const int32_t* corrections = wp + (p * panel_rows + K4) * kQuadPanel;
-            for (int64_t j = 0; j < std::min(kQuadPanel, width - j0); ++j)
-              exact[j0 + j] = c[r * ldc + j0 + j] - corrections[j];
-          }
+          for (int64_t j = 0; j < width; ++j) exact[j] = c[r * ldc + j] - corrections[j];
           epilogue_row(exact, xs[m + r], wsp + col0, bp == nullptr ? nullptr : bp + col0, width,
                        op + (m + r) * N + col0);
         }
@@ -432,8 +427,7 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
       }
 #endif
       TORCH_CHECK(!tiles, "int8_packed_linear: this CPU build has no AMX tiles");
-      pagedserve_gemm::for_each_tile<int32_t, kQuadPanelsPerBlock, kQuadDepth, kQuadRows,
-                                     kQuadPanel>(
+      pagedserve_gemm::for_each_tile<int32_t, kQuadRows, kQuadPanel>(
           M, K4, wp, panels, panel_rows * kQuadPanel,
           [&](int rows, int64_t m0, int64_t k0, int64_t depth, const int32_t* w, int32_t* c,
               int64_t ldc, const pagedserve_gemm::Prefetch& pf) {
