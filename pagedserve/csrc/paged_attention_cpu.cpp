@@ -129,14 +129,15 @@ struct Keys {
 // A thread's K and V rows, in the order its items read them (the keys of its cold items),
 // asked for ahead of the arithmetic and in step with it: the loops over a tile's keys
 // report each key they visit (per KV head, each query head's scores and then V visit it),
-// and each visit asks for its share of a key's lines, so the requests run a tile's keys
-// (kTileKeys) ahead of the reads, across tiles and rows. The rows of a row's later tiles
-// and of the thread's next row are on other pages (blocks are scattered) that the hardware
-// prefetcher does not follow. A core has only so many misses in flight (two Zen 5 cores
-// read scattered 6 KiB blocks at 33 GB/s, the same bytes in order at 59): requests made
-// in a burst stall it until the first arrive, and the arithmetic with them; spread over
-// the keys, the arithmetic goes on while they arrive (decode 1.07-1.28x against a burst
-// per query head, Zen 5; benchmarks/README.md).
+// and as many visits as a key gets ask for one key's K and V lines, so the requests run a
+// tile's keys (kTileKeys) ahead of the reads, across tiles and rows (a key's lines at once,
+// not a line per visit: a fifth fewer cycles a key when the rows are in cache, Zen 5). The
+// rows of a row's later tiles and of the thread's next row are on other pages (blocks are
+// scattered) that the hardware prefetcher does not follow. A core has only so many misses
+// in flight (two Zen 5 cores read scattered 6 KiB blocks at 33 GB/s, the same bytes in
+// order at 59): requests made in a burst stall it until the first arrive, and the
+// arithmetic with them; spread over the keys, the arithmetic goes on while they arrive
+// (decode 1.07-1.28x against a burst per query head, Zen 5; benchmarks/README.md).
 template <typename T>
 class KeyStream {
  public:
@@ -147,25 +148,27 @@ class KeyStream {
       : items_(items), count_(count), block_size_(block_size), token_stride_(token_stride),
         lines_(lines), visits_(visits) {
     next_item();
-    for (int64_t i = 0; i < 2 * lines_ * kTileKeys; ++i) ask();  // nothing is in flight yet
+    // nothing is in flight yet
+    for (int64_t i = 0; i < kTileKeys && item_ < count_; ++i) ask_key();
   }
 
   // After `visits` more visits (of any keys).
   inline void next(int64_t visits = 1) {
-    credit_ += visits * 2 * lines_;
-    for (; credit_ >= visits_; credit_ -= visits_) ask();
+    credit_ += visits;
+    for (; credit_ >= visits_; credit_ -= visits_) ask_key();
   }
 
  private:
-  void ask() {
-    if (item_ == count_) return;  // (the constructor's asks)
+  // The next key's K and V lines, then the key after it.
+  void ask_key() {
     constexpr int64_t kLine = 64 / sizeof(T);
     const Keys<T>& keys = items_[item_];
-    __builtin_prefetch(
-        line_ < lines_ ? keys.k_base + row_ + line_ * kLine
-                       : keys.v_base + row_ + (line_ - lines_) * kLine, 0, 3);
-    if (++line_ < 2 * lines_) return;
-    line_ = 0;
+    const T* k = keys.k_base + row_;
+    const T* v = keys.v_base + row_;
+    for (int64_t l = 0; l < lines_; ++l) {
+      __builtin_prefetch(k + l * kLine, 0, 3);
+      __builtin_prefetch(v + l * kLine, 0, 3);
+    }
     if (++pos_ < keys.hi)
       row_ = key_row(keys.table, pos_, block_size_, token_stride_);
     else
@@ -177,7 +180,7 @@ class KeyStream {
     do ++item_;
     while (item_ < count_ && (!items_[item_].cold || items_[item_].lo == items_[item_].hi));
     if (item_ == count_) {
-      visits_ = INT64_MAX;  // nothing left: no visit earns a line
+      visits_ = INT64_MAX;  // nothing left: no visits earn a key
       return;
     }
     pos_ = items_[item_].lo;
@@ -186,8 +189,8 @@ class KeyStream {
 
   const Keys<T>* items_;
   int64_t count_, block_size_, token_stride_, lines_, visits_;
-  int64_t item_ = -1, pos_ = 0, row_ = 0, line_ = 0;  // the next line to ask for
-  int64_t credit_ = 0;  // lines earned, in units of 1 / visits_
+  int64_t item_ = -1, pos_ = 0, row_ = 0;  // the next key to ask for
+  int64_t credit_ = 0;  // visits made since the last key asked for
 };
 
 // scores[j] = scale * sum of dot(k_j)'s 8 lanes, k_j = rows[j] + offset, for the tile's n
