@@ -169,10 +169,14 @@ class KeyStream {
       __builtin_prefetch(k + l * kLine, 0, 3);
       __builtin_prefetch(v + l * kLine, 0, 3);
     }
-    if (++pos_ < keys.hi)
-      row_ = key_row(keys.table, pos_, block_size_, token_stride_);
-    else
+    // the next key's row: the one after in its block, or the next block's first (a
+    // division per key cost 7% of decode attention with the rows in cache, Zen 5)
+    if (++pos_ == keys.hi)
       next_item();
+    else if (++in_block_ < block_size_)
+      row_ += token_stride_;
+    else
+      in_block_ = 0, row_ = keys.table[++block_] * block_size_ * token_stride_;
   }
 
   // The next cold item (a warm one's rows were read by the row before), or the end.
@@ -184,12 +188,14 @@ class KeyStream {
       return;
     }
     pos_ = items_[item_].lo;
+    block_ = pos_ / block_size_, in_block_ = pos_ % block_size_;
     row_ = key_row(items_[item_].table, pos_, block_size_, token_stride_);
   }
 
   const Keys<T>* items_;
   int64_t count_, block_size_, token_stride_, lines_, visits_;
   int64_t item_ = -1, pos_ = 0, row_ = 0;  // the next key to ask for
+  int64_t block_ = 0, in_block_ = 0;       // pos_'s block-table entry, its place in it
   int64_t credit_ = 0;  // visits made since the last key asked for
 };
 
