@@ -68,6 +68,33 @@ def test_fixed_order_linear_rows_invariant(m, shape, dtype, seed):
         torch.testing.assert_close(out.double(), exact, rtol=2 ** -7, atol=float(bound.max()))
 
 
+@pytest.mark.parametrize("layout,k", [("fma", 2048), ("pairs", 4096), ("int8", 8192)])
+def test_products_rows_invariant_across_row_blocks(layout, k):
+    """Rows of 8 KiB (2,048 float32, 4,096 bfloat16 or 8,192 int8 values) cut the GEMMs'
+    row blocks down to one chunk of 192 rows wherever L2 holds under 2.9 MiB a core
+    (gemm_blocking.h: block_rows): 450 rows are three blocks, the last part-full, each taken
+    through every panel in turn. Each row's bits equal its product alone and in two parts."""
+    ops = load_cpu_ops()
+    gen = torch.Generator().manual_seed(k)
+    weight = torch.randn(100, k, generator=gen)
+    x = torch.randn(450, k, generator=gen)
+    if layout == "fma":
+        packed = ops.pack_linear_weight(weight)
+        multiply = lambda rows: ops.fixed_order_linear(rows, packed, 100)
+    elif layout == "pairs":
+        if not ops.pair_linear_available():
+            pytest.skip("no bfloat16 pair kernel on this CPU (AVX512-BF16)")
+        packed = ops.pack_linear_weight_pairs(weight.bfloat16())
+        multiply = lambda rows: ops.fixed_order_linear(rows.bfloat16(), packed, 100)
+    else:
+        if not ops.packed_int8_available():
+            pytest.skip("no packed int8 kernel on this CPU")
+        q = weight.mul(40).round().clamp(-127, 127).to(torch.int8)
+        quant = Int8Weight(q, torch.full((100,), 0.025), ops.pack_int8_weight(q))
+        multiply = lambda rows: int8_linear(rows, quant)
+    assert_rows_invariant(multiply, x)
+
+
 @pytest.mark.parametrize("m,n", [(7, 48), (200, 100), (450, 960)])  # chunks of 192 rows
 def test_fixed_order_bfloat16_result_is_its_float32_result_rounded(m, n):
     """The kernel rounds its float32 sums to bfloat16 itself (nearest even): bit for bit

@@ -182,7 +182,7 @@ template <typename W, typename Out>
 void gemm(const float* x, int64_t M, int64_t K, const W* packed, int64_t panels, Out* out,
           int64_t N) {
   pagedserve_gemm::for_each_tile<float, kRows, kPanel>(
-      M, K, packed, panels, K * kPanel,
+      M, K, K * int64_t{sizeof(float)}, packed, panels, K * kPanel,
       [&](int rows, int64_t m0, int64_t k0, int64_t depth, const W* w, float* c, int64_t ldc,
           const pagedserve_gemm::Prefetch& pf) {
         micro_kernel_rows(rows, x + m0 * K + k0, K, w, depth, c, ldc, k0 == 0, pf);
@@ -234,7 +234,7 @@ void pair_kernel_rows(int rows, const int32_t* x, int64_t ldx, const int32_t* w,
 void gemm_pairs(const int32_t* x, int64_t M, int64_t K2, const int32_t* packed, int64_t panels,
                 c10::BFloat16* out, int64_t N) {
   pagedserve_gemm::for_each_tile<float, kPairRows, kPairPanel>(
-      M, K2, packed, panels, K2 * kPairPanel,
+      M, K2, K2 * int64_t{sizeof(int32_t)}, packed, panels, K2 * kPairPanel,
       [&](int rows, int64_t m0, int64_t k0, int64_t depth, const int32_t* w, float* c,
           int64_t ldc, const pagedserve_gemm::Prefetch& pf) {
         pair_kernel_rows(rows, x + m0 * K2 + k0, K2, w, depth, c, ldc, k0 == 0, pf);

@@ -53,13 +53,29 @@ inline int64_t max_run_depth(int64_t step_bytes) {
   return std::max<int64_t>(1, 2 * l1 / 3 / step_bytes);
 }
 
+// The rows of x a thread takes through all its panels before the next ones (a multiple of
+// kChunkRows): as many as fill half the L2 cache (sysconf; 1 MiB if it does not say), so
+// that every panel after the first finds them there; each panel's weights are read once
+// per block. (All M rows through each panel in turn read x from L3 or memory once per
+// panel: a 1B model's bfloat16 down product, K = 8,192, at 2,048 rows (32 MiB of x pairs)
+// ran 719-844 GFLOP/s against 885-937 in blocks; its 2,048-token prefill 1.04x faster,
+// Zen 5; benchmarks/README.md.)
+inline int64_t block_rows(int64_t x_row_bytes) {
+  static const int64_t l2 = [] {
+    const long bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return bytes > 0 ? static_cast<int64_t>(bytes) : int64_t{1024 * 1024};
+  }();
+  return std::max<int64_t>(1, l2 / 2 / x_row_bytes / kChunkRows) * kChunkRows;
+}
+
 // Threads split the output, never K (no split-K): the panels, and where their count does
 // not divide evenly, the rows of the panel at a boundary (N = 576 is 9 panels of 64: 5/4 on
-// two threads left one waiting ~10% of an o or down product). Per panel and chunk of
-// kChunkRows rows: K in runs of equal depth (at most max_run_depth), rows in groups of
-// kGroup, then the chunk is finished. The weights are `packed` [panels][panel_stride] (W
-// elements), panel p's run at k0 the depth x kWidth elements from
-// packed + p * panel_stride + k0 * kWidth.
+// two threads left one waiting ~10% of an o or down product). A thread takes its rows in
+// blocks (block_rows of x's rows, `x_row_bytes` each), each block through all its panels;
+// per panel and chunk of kChunkRows rows: K in runs of equal depth (at most
+// max_run_depth), rows in groups of kGroup, then the chunk is finished. The weights are
+// `packed` [panels][panel_stride] (W elements), panel p's run at k0 the depth x kWidth
+// elements from packed + p * panel_stride + k0 * kWidth.
 //   tile(rows, m, k0, depth, w, c, ldc, pf): rows [m, m + rows) against the run w at k0,
 //       into c (accumulators of the group's first row, rows ldc apart; the run at k0 == 0
 //       starts the chains), prefetching pf;
@@ -74,39 +90,43 @@ inline int64_t max_run_depth(int64_t step_bytes) {
 // A row's chain is the same whichever thread runs it, whichever rows share its group and
 // however K is cut into runs (a partial sum waits in the buffer exactly).
 template <typename Acc, int kGroup, int64_t kWidth, typename W, typename Tile, typename Flush>
-void for_each_tile(int64_t M, int64_t K, const W* packed, int64_t panels, int64_t panel_stride,
-                   const Tile& tile, const Flush& flush) {
+void for_each_tile(int64_t M, int64_t K, int64_t x_row_bytes, const W* packed, int64_t panels,
+                   int64_t panel_stride, const Tile& tile, const Flush& flush) {
   constexpr int64_t ldc = kWidth;
+  const int64_t rows_per_block = block_rows(x_row_bytes);
   const int64_t max_depth = max_run_depth(kWidth * int64_t{sizeof(W)});
   const int64_t runs = std::max<int64_t>(1, (K + max_depth - 1) / max_depth);
   const int64_t run_depth = std::max<int64_t>(1, (K + runs - 1) / runs);  // runs of one depth
   const auto run = [&](int64_t p, int64_t k0) { return packed + p * panel_stride + k0 * kWidth; };
   // Panels [begin, end), rows [m_begin, m_end) of each, with accumulators c.
   const auto tiles = [&](int64_t begin, int64_t end, int64_t m_begin, int64_t m_end, Acc* c) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t m_chunk = m_begin; m_chunk < m_end; m_chunk += kChunkRows) {
-        const int64_t chunk = std::min(kChunkRows, m_end - m_chunk);
-        const int64_t groups = (chunk + kGroup - 1) / kGroup;
-        for (int64_t k0 = 0; k0 < K; k0 += run_depth) {
-          const int64_t depth = std::min(run_depth, K - k0);
-          // The run read next: this panel's next k, else the next panel's first (or this
-          // panel's again, for the next chunk).
-          const bool last = k0 + run_depth >= K;
-          const int64_t next_k0 = last ? 0 : k0 + run_depth;
-          const int64_t next_p = last && m_chunk + kChunkRows >= m_end ? p + 1 : p;
-          const int64_t lines =
-              (std::min(run_depth, K - next_k0) * kWidth * int64_t{sizeof(W)} + 63) / 64;
-          for (int64_t g = 0; g < groups; ++g) {
-            const int64_t m0 = g * kGroup;
-            const int rows = static_cast<int>(std::min<int64_t>(kGroup, chunk - m0));
-            const int64_t l0 = g * lines / groups, share = (g + 1) * lines / groups - l0;
-            Prefetch pf;
-            if (groups > 1 && next_p < end)
-              pf = {reinterpret_cast<const char*>(run(next_p, next_k0)) + 64 * l0, share};
-            tile(rows, m_chunk + m0, k0, depth, run(p, k0), c + m0 * ldc, ldc, pf);
+    for (int64_t m_block = m_begin; m_block < m_end; m_block += rows_per_block) {
+      const int64_t block_end = std::min(m_end, m_block + rows_per_block);
+      for (int64_t p = begin; p < end; ++p) {
+        for (int64_t m_chunk = m_block; m_chunk < block_end; m_chunk += kChunkRows) {
+          const int64_t chunk = std::min(kChunkRows, block_end - m_chunk);
+          const int64_t groups = (chunk + kGroup - 1) / kGroup;
+          for (int64_t k0 = 0; k0 < K; k0 += run_depth) {
+            const int64_t depth = std::min(run_depth, K - k0);
+            // The run read next: this panel's next k, else the next panel's first (or this
+            // panel's again, for the block's next chunk).
+            const bool last = k0 + run_depth >= K;
+            const int64_t next_k0 = last ? 0 : k0 + run_depth;
+            const int64_t next_p = last && m_chunk + kChunkRows >= block_end ? p + 1 : p;
+            const int64_t lines =
+                (std::min(run_depth, K - next_k0) * kWidth * int64_t{sizeof(W)} + 63) / 64;
+            for (int64_t g = 0; g < groups; ++g) {
+              const int64_t m0 = g * kGroup;
+              const int rows = static_cast<int>(std::min<int64_t>(kGroup, chunk - m0));
+              const int64_t l0 = g * lines / groups, share = (g + 1) * lines / groups - l0;
+              Prefetch pf;
+              if (groups > 1 && next_p < end)
+                pf = {reinterpret_cast<const char*>(run(next_p, next_k0)) + 64 * l0, share};
+              tile(rows, m_chunk + m0, k0, depth, run(p, k0), c + m0 * ldc, ldc, pf);
+            }
           }
+          flush(static_cast<const Acc*>(c), ldc, m_chunk, chunk, p * kWidth, (p + 1) * kWidth);
         }
-        flush(static_cast<const Acc*>(c), ldc, m_chunk, chunk, p * kWidth, (p + 1) * kWidth);
       }
     }
   };

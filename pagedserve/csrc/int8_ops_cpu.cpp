@@ -428,7 +428,7 @@ torch::Tensor int8_packed_linear(torch::Tensor x, torch::Tensor packed, torch::T
 #endif
       TORCH_CHECK(!tiles, "int8_packed_linear: this CPU build has no AMX tiles");
       pagedserve_gemm::for_each_tile<int32_t, kQuadRows, kQuadPanel>(
-          M, K4, wp, panels, panel_rows * kQuadPanel,
+          M, K4, K4 * int64_t{sizeof(int32_t)}, wp, panels, panel_rows * kQuadPanel,
           [&](int rows, int64_t m0, int64_t k0, int64_t depth, const int32_t* w, int32_t* c,
               int64_t ldc, const pagedserve_gemm::Prefetch& pf) {
             quad_kernel_rows(rows, xp + m0 * K4 + k0, K4, w, depth, c, ldc, k0 == 0, pf);
