@@ -72,7 +72,7 @@ if [ -n "${BIG_MODEL_DIR:-}" ]; then
     for quant in none int8; do
         echo "== roofline $quant $(date -u +%T)"
         PYTHONPATH=. $PY benchmarks/roofline.py "$BIG_MODEL_DIR" --dtype "$native" \
-            --quantization $quant 2>&1 | tail -4 | tee "$OUT/roofline_$quant.txt"
+            --quantization $quant 2>&1 | tail -7 | tee "$OUT/roofline_$quant.txt"
     done
     echo "== load $(date -u +%T)"
     $PY - "$BIG_MODEL_DIR" "$native" <<'EOF' 2>&1 | tail -1 | tee "$OUT/load.txt"
