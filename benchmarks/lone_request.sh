@@ -26,7 +26,7 @@ GGUF=$($PY -c "from pagedserve.model_loader.files import resolve_model_path; pri
 if [ $# -ge 1 ]; then
     "$1" -m "$GGUF" -t "$(nproc)" -np 1 -c 4096 --port 8190 > "$OUT/llama_server.log" 2>&1 &
     server=$!
-    trap 'kill $server 2>/dev/null' EXIT
+    trap 'kill $server 2>/dev/null || true' EXIT  # (already gone after the timings)
     for _ in $(seq 120); do curl -s localhost:8190/health | grep -q ok && break; sleep 1; done
     prompt=$($PY -c 'print(",".join(str(100 + i) for i in range(32)))')
     for _ in 1 2 3; do
