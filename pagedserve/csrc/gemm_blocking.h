@@ -39,6 +39,13 @@ inline void prefetch_step(const Prefetch& pf, int64_t k, int64_t depth) {
   for (int64_t j = k; j < pf.lines; j += depth) __builtin_prefetch(pf.addr + 64 * j, 0, 3);
 }
 
+// Bytes of the cache sysconf names (_SC_LEVEL1_DCACHE_SIZE, ...), or `fallback` where it
+// does not say.
+inline int64_t cache_bytes(int name, int64_t fallback) {
+  const long bytes = sysconf(name);
+  return bytes > 0 ? static_cast<int64_t>(bytes) : fallback;
+}
+
 // The longest run of k a tile takes, in steps of `step_bytes` (one k-step of a panel): two
 // thirds of the L1 data cache (sysconf; 48 KiB if it does not say), so that a panel's run
 // stays in L1 while every group of rows passes over it, beside their rows of x. (A run of
@@ -46,10 +53,7 @@ inline void prefetch_step(const Prefetch& pf, int64_t k, int64_t depth) {
 // reading it from there: on a Zen 5, 48 KiB L1, decode-step products at 16-38 rows ran
 // 1.15-1.35x slower; benchmarks/README.md.)
 inline int64_t max_run_depth(int64_t step_bytes) {
-  static const int64_t l1 = [] {
-    const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-    return bytes > 0 ? static_cast<int64_t>(bytes) : int64_t{48 * 1024};
-  }();
+  static const int64_t l1 = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, 48 * 1024);
   return std::max<int64_t>(1, 2 * l1 / 3 / step_bytes);
 }
 
@@ -61,10 +65,7 @@ inline int64_t max_run_depth(int64_t step_bytes) {
 // ran 719-844 GFLOP/s against 885-937 in blocks; its 2,048-token prefill 1.04x faster,
 // Zen 5; benchmarks/README.md.)
 inline int64_t block_rows(int64_t x_row_bytes) {
-  static const int64_t l2 = [] {
-    const long bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return bytes > 0 ? static_cast<int64_t>(bytes) : int64_t{1024 * 1024};
-  }();
+  static const int64_t l2 = cache_bytes(_SC_LEVEL2_CACHE_SIZE, 1024 * 1024);
   return std::max<int64_t>(1, l2 / 2 / x_row_bytes / kChunkRows) * kChunkRows;
 }
 
