@@ -481,8 +481,12 @@ inline float softmax_tile(float* scores, int64_t n, float& m, float& l) {
     const vf s = loadv(scores + j);
     mx = s > mx ? s : mx;
   }
+#ifdef __AVX512F__  // a shuffle tree, not a chain of 16 (a maximum is the same in any order)
+  const float new_max = std::max(m, _mm512_reduce_max_ps(reinterpret_cast<__m512>(mx)));
+#else
   float new_max = m;
   for (int i = 0; i < kLanes; ++i) new_max = std::max(new_max, mx[i]);
+#endif
   vf sum = vf{};
   for (int64_t j = 0; j < padded; j += kLanes) {
     const vf e = exp_nonpositive(loadv(scores + j) - new_max);
@@ -521,8 +525,10 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
                 KeyStream<cache_t>& prefetch,  // the thread's: visits reported
                 int64_t block_size, int64_t token_stride, int64_t kv_heads, int64_t group,
                 int64_t head_dim, float scale, scalar_t* out) {
-  // Per tile and KV head: each query head sharing it (GQA) scores the tile's keys and
+  // Per tile and KV head: the query heads sharing it (GQA) score the tile's keys, then each
   // rescales its running sums (online softmax), then all of them accumulate V together.
+  // All scores before any softmax: the heads' softmax chains (maximum, exponentials, sums)
+  // are then next to each other and overlap (bfloat16 prompt attention 1.09x, Zen 5).
   // One KV head's K and V rows of a tile (16 KB for 64 keys of 64 bfloat16) stay in L1
   // for its query heads.
   const int64_t D = kD > 0 ? kD : head_dim;
@@ -585,6 +591,10 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
           dot_keys<kD / kLanes>(qf.data() + h * D, krows, offset, n, scores_h, prefetch);
         else if constexpr (!kDotBf16)
           dot_keys_any(qf.data() + h * D, krows, offset, n, D, scores_h, prefetch);
+      }
+      for (int64_t i = 0; i < group; ++i) {
+        const int64_t h = g * group + i;
+        float* scores_h = scores.data() + i * kTileKeys;
         const float correction = softmax_tile(scores_h, n, m[h], l[h]);
         if (correction != 1.f)
           for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= correction;
