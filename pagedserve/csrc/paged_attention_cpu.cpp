@@ -201,28 +201,34 @@ class KeyStream {
 
 // [sum of key(0)'s lanes, ..., sum of key(kLanes - 1)'s], each by one fixed tree: fold8
 // (lane l + lane l + 8, with AVX-512), then sum8x8's (neighbours, pairs of them, the two
-// halves). With AVX-512 two keys' 8-lane trees share a register: half the shuffles a sum of
-// fold8 and sum8x8 apart, the same bits (prompt attention 1.07x, bfloat16, Zen 5). Keys i and
-// i + 8 are folded together as soon as they are made: with all 16 live first, float32
-// scoring ran 6% slower.
+// halves). With AVX-512 two keys' 8-lane trees share one register: a sum takes half the
+// shuffles of fold8 and sum8x8 apart, with the same bits (prompt attention 1.07x, bfloat16,
+// Zen 5). Keys i and i + 8 are folded together as soon as they are made: with all 16 live
+// first, float32 scoring ran 6% slower.
 template <typename Key>
 inline vf sum_lanes(const Key& key) {
 #ifdef __AVX512F__
   auto hadd16 = [](vf a, vf b) {  // hadd on each 256-bit half (vshufps works per 128 bits)
-    return __builtin_shufflevector(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
-           __builtin_shufflevector(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+    return __builtin_shufflevector(a, b, 0, 2, 16, 18, 4, 6, 20, 22,  //
+                                   8, 10, 24, 26, 12, 14, 28, 30) +
+           __builtin_shufflevector(a, b, 1, 3, 17, 19, 5, 7, 21, 23,  //
+                                   9, 11, 25, 27, 13, 15, 29, 31);
   };
   vf z[8];  // z[i]: fold8(key(i)) in the low half, fold8(key(i + 8)) in the high
   for (int i = 0; i < 8; ++i) {
     const vf a = key(i), b = key(i + 8);
-    z[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    z[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7,  //
+                                   16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15,  //
+                                   24, 25, 26, 27, 28, 29, 30, 31);
   }
   // lanes of lo4: keys 0-3 (two partial sums each), then 8-11; of hi4: 4-7, then 12-15
   const vf lo4 = hadd16(hadd16(z[0], z[1]), hadd16(z[2], z[3]));
   const vf hi4 = hadd16(hadd16(z[4], z[5]), hadd16(z[6], z[7]));
-  return __builtin_shufflevector(lo4, hi4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-         __builtin_shufflevector(lo4, hi4, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return __builtin_shufflevector(lo4, hi4, 0, 1, 2, 3, 16, 17, 18, 19,  //
+                                 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(lo4, hi4, 4, 5, 6, 7, 20, 21, 22, 23,  //
+                                 12, 13, 14, 15, 28, 29, 30, 31);
 #else
   v8f x[8];
   for (int i = 0; i < 8; ++i) x[i] = key(i);
