@@ -22,11 +22,10 @@ PS=${PAGEDSERVE:-.venv/bin/pagedserve}
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 . benchmarks/machine.sh
-flags=$(cpu_flags)
 dtypes=("$@")
 if [ ${#dtypes[@]} -eq 0 ]; then
     dtypes=(float32)
-    case " $flags " in *" avx512_bf16 "*|*" amx_bf16 "*) dtypes+=(bfloat16) ;; esac
+    if [ "$(native_dtype)" = bfloat16 ]; then dtypes+=(bfloat16); fi
 fi
 cores=$(nproc)
 machine_line

@@ -31,10 +31,7 @@ ROUNDS=${ROUNDS:-4}
 mkdir -p "$OUT"
 . benchmarks/machine.sh
 machine_line | tee "$OUT/machine.txt"
-case " $(cpu_flags) " in
-    *" avx512_bf16 "*|*" amx_bf16 "*) native=bfloat16 ;;
-    *) native=float32 ;;
-esac
+native=$(native_dtype)
 
 # ours NAME [MODEL] ARGS...: one throughput run on the shared workload -> OUT/NAME.json
 ours() {
