@@ -96,9 +96,9 @@ def test_kernel_bfloat16():
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_bfloat16_rows_match_float32_on_the_same_values(case, two_threads):
-    """A bfloat16 query over a bfloat16 cache (scored by vdpbf16ps where the CPU has it:
-    exact products, float32 sums) equals float32 attention over the same values widened,
-    but for the output's rounding to bfloat16 (2**-9 relative)."""
+    """A bfloat16 query over a bfloat16 cache (scores and P.V by vdpbf16ps where the CPU has
+    it: exact products, float32 sums, P rounded to bfloat16) equals float32 attention over
+    the same values widened, but for those roundings (2**-9 relative each)."""
     q_lens, contexts, heads, kv_heads, head_dim, bs, window = case
     query, kv_cache, meta = make_batch(q_lens, contexts, heads, kv_heads, head_dim, bs)
     query, kv_cache = query.bfloat16(), kv_cache.bfloat16()

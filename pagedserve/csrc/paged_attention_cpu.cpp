@@ -23,10 +23,14 @@
 // the reads, a few lines per key its loops visit (KeyStream). Head sizes 64 and 128 get
 // register-blocked loops (AVX-512 registers where the CPU has them); other sizes take
 // plain loops the compiler vectorizes.
-// All arithmetic is float32 whatever the storage dtype (bfloat16 converts in registers);
-// a bfloat16 query against a bfloat16 cache scores on AMX tiles where the CPU has them
-// (all query heads of a KV head at once: score_keys_amx), else by vdpbf16ps where it has
-// that (dot_keys_bf16); both take exact products and float32 sums.
+// All arithmetic is float32 whatever the storage dtype (bfloat16 converts in registers),
+// but for a bfloat16 query against a bfloat16 cache where the CPU has AVX512-BF16: it scores
+// on AMX tiles where the CPU has them (all query heads of a KV head at once:
+// score_keys_amx), else by vdpbf16ps (dot_keys_bf16), and takes P.V by vdpbf16ps with P
+// rounded to bfloat16 (accumulate_v_bf16), as Hugging Face's bfloat16 attention and
+// PyTorch's CPU flash attention round P before their P.V; all take exact products and
+// float32 sums. Every row, prompt or decode, takes the same path: its bits do not depend on
+// the batch.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -450,6 +454,106 @@ inline void accumulate_v_group(float* acc, const float* p, const T* const* rows,
   }
 }
 
+#ifdef __AVX512BF16__
+// acc[h] += sum_j p[h][j] * v_j for kH query heads over bfloat16 V rows, with P rounded to
+// bfloat16 (p: [kH][kTileKeys] bfloat16 bits): vdpbf16ps on pairs of keys, (p_j, p_j+1)
+// broadcast against V rows j and j + 1 interleaved (vpunpck{l,h}wd), exact products and
+// float32 sums. The interleave leaves a chunk's 32 dims in the order of vpunpck's 128-bit
+// lanes (lo: 0-3, 8-11, 16-19, 24-27; hi: the other four of each eight), so acc holds that
+// order until the row's end (stored_dim).
+template <int kRegs, int kH>
+inline void accumulate_v_bf16(float* acc, const uint16_t* p,
+                              const c10::BFloat16* const* rows, int64_t offset, int64_t n,
+                              KeyStream<c10::BFloat16>& prefetch, int64_t visits) {
+  constexpr int64_t D = 32 * kRegs;
+  constexpr int kAcc = 2 * kRegs;
+  constexpr bool kSplit = kH * kAcc < 8;
+  __m512 a[kH][kAcc], b[kH][kAcc];
+  for (int h = 0; h < kH; ++h)
+    for (int c = 0; c < kAcc; ++c)
+      a[h][c] = _mm512_loadu_ps(acc + h * D + 16 * c), b[h][c] = _mm512_setzero_ps();
+  auto pair = [&](__m512 (&s)[kH][kAcc], int64_t j, bool both) {
+    __m512i pj[kH];
+    for (int h = 0; h < kH; ++h) {
+      uint32_t bits;
+      std::memcpy(&bits, p + h * kTileKeys + j, 4);
+      pj[h] = _mm512_set1_epi32(static_cast<int>(bits));
+    }
+    const c10::BFloat16* v0 = rows[j] + offset;
+    const c10::BFloat16* v1 = both ? rows[j + 1] + offset : nullptr;
+    for (int c = 0; c < kRegs; ++c) {
+      const __m512i x0 = _mm512_loadu_si512(v0 + 32 * c);
+      const __m512i x1 = both ? _mm512_loadu_si512(v1 + 32 * c) : _mm512_setzero_si512();
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+      for (int h = 0; h < kH; ++h) {
+        s[h][2 * c] = _mm512_dpbf16_ps(s[h][2 * c], lo, (__m512bh)pj[h]);
+        s[h][2 * c + 1] = _mm512_dpbf16_ps(s[h][2 * c + 1], hi, (__m512bh)pj[h]);
+      }
+    }
+  };
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    if (kSplit && j % 4 == 2)
+      pair(b, j, true);
+    else
+      pair(a, j, true);
+    prefetch.next(2 * visits);
+  }
+  if (j < n) {
+    pair(a, j, false);
+    prefetch.next(visits);
+  }
+  for (int h = 0; h < kH; ++h)
+    for (int c = 0; c < kAcc; ++c)
+      _mm512_storeu_ps(acc + h * D + 16 * c,
+                       kSplit ? _mm512_add_ps(a[h][c], b[h][c]) : a[h][c]);
+}
+
+// accumulate_v_bf16 for a KV head's `group` query heads, as many at a time as the registers
+// hold (per head its accumulators and P's broadcast pair; the V pairs' four). Their
+// exponentials (scores [group][kTileKeys], float32, zeros past n to a whole register) are
+// rounded to bfloat16 first, into p [group][kTileKeys].
+template <int kRegs>
+inline void accumulate_v_bf16_group(float* acc, const float* scores,
+                                    const c10::BFloat16* const* rows, int64_t offset,
+                                    int64_t n, int64_t group, uint16_t* p,
+                                    KeyStream<c10::BFloat16>& prefetch) {
+  constexpr int kMaxH = std::clamp((32 - 6) / (2 * kRegs + 1), 1, 4);
+  constexpr int64_t D = 32 * kRegs;
+  for (int64_t i = 0; i < group; ++i)
+    for (int64_t j = 0; j < n; j += 16) {
+      const __m256bh e = _mm512_cvtneps_pbh(_mm512_loadu_ps(scores + i * kTileKeys + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * kTileKeys + j), (__m256i)e);
+    }
+  for (int64_t h = 0; h < group; h += kMaxH) {
+    float* acc_h = acc + h * D;
+    const uint16_t* p_h = p + h * kTileKeys;
+    const int64_t heads = std::min<int64_t>(kMaxH, group - h);
+    const int64_t visits = h == 0;  // a key's one V visit, whatever the passes
+    auto run = [&](auto heads_constant) {
+      accumulate_v_bf16<kRegs, decltype(heads_constant)::value>(acc_h, p_h, rows, offset, n,
+                                                                 prefetch, visits);
+    };
+    if (kMaxH >= 4 && heads == 4)
+      run(std::integral_constant<int, std::min(kMaxH, 4)>{});
+    else if (kMaxH >= 3 && heads == 3)
+      run(std::integral_constant<int, std::min(kMaxH, 3)>{});
+    else if (kMaxH >= 2 && heads == 2)
+      run(std::integral_constant<int, std::min(kMaxH, 2)>{});
+    else
+      run(std::integral_constant<int, 1>{});
+  }
+}
+#endif
+
+// Where accumulate_v_bf16 keeps dim d of a head (its index in acc): per 32 dims, lo's 16
+// lanes then hi's; dim 8 L + w of 128-bit lane L sits in lo for w < 4, in hi for the rest.
+inline int64_t stored_dim(int64_t d) {
+  const int64_t r = d % 32;
+  return d - r + (r % 8 < 4 ? 0 : 16) + 4 * (r / 8) + r % 4;
+}
+
 // The same for any D (the compiler vectorizes the loops over it).
 template <typename T>
 inline void dot_keys_any(const float* q, const T* const* rows, int64_t offset, int64_t n,
@@ -551,6 +655,7 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
   std::vector<float> qf(kDotBf16 ? 0 : num_heads * D), acc(num_heads * D, 0.f);
   std::vector<float> m(num_heads, -INFINITY), l(num_heads, 0.f);
   std::vector<float> scores(group * kTileKeys);  // [group, kTileKeys]: this KV head's
+  std::vector<uint16_t> p_bf16(kDotBf16 ? group * kTileKeys : 0);  // P for P.V, bfloat16
   const cache_t* krows[kTileKeys];
   const cache_t* vrows[kTileKeys];
   if constexpr (!kDotBf16)
@@ -607,14 +712,21 @@ void attend_row(const scalar_t* q,  // [kv_heads * group, D] one query row, thes
         if constexpr (kD == 0)
           accumulate_v_any(acc.data() + h * D, scores_h, vrows, offset, n, D, prefetch, i == 0);
       }
-      if constexpr (kD > 0)
+#ifdef __AVX512BF16__
+      if constexpr (kDotBf16)
+        accumulate_v_bf16_group<kD / 32>(acc.data() + g * group * D, scores.data(), vrows,
+                                         offset, n, group, p_bf16.data(), prefetch);
+#endif
+      if constexpr (kD > 0 && !kDotBf16)
         accumulate_v_group<kD / kLanes>(acc.data() + g * group * D, scores.data(), vrows,
                                         offset, n, group, prefetch);
     }
   }
   for (int64_t h = 0; h < num_heads; ++h) {
     const float inv = 1.f / l[h];
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
+    for (int64_t d = 0; d < D; ++d)
+      out[h * D + d] =
+          static_cast<scalar_t>(acc[h * D + (kDotBf16 ? stored_dim(d) : d)] * inv);
   }
 }
 
