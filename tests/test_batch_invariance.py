@@ -160,20 +160,24 @@ def test_row_argmax_is_argmax_and_rows_invariant(m, v, seed):
     assert torch.equal(ops.row_argmax(x), nan_at)
 
 
-def test_attention_rows_same_at_once_and_in_chunks():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_attention_rows_same_at_once_and_in_chunks(dtype, dim):
     """A 150-token prompt's attention output, computed in one step, equals the same rows
     computed in chunks of 1, 17 and 64 query rows over the same cache (a chunked prefill, a
-    prefix-cache hit, decodes), beside other sequences."""
+    prefix-cache hit, decodes), beside other sequences. In bfloat16 with AVX512-BF16, rows of
+    a prompt score together with the keys in lanes and a lone row with horizontal sums."""
     ops = load_cpu_ops()
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, block, length = 9, 3, 64, 16, 150
-    cache = torch.randn(2, 12, block, kv_heads, dim, generator=gen)
+    heads, kv_heads, block, length = 9, 3, 16, 150
+    cache = torch.randn(2, 12, block, kv_heads, dim, generator=gen).to(dtype)
     table = torch.randperm(12, generator=gen)[None]
-    query = torch.randn(length, heads, dim, generator=gen)
+    query = torch.randn(length, heads, dim, generator=gen).to(dtype)
 
     def attend(start, stop, others=0):
         """Rows start..stop of the prompt, after `others` one-row sequences."""
-        q = torch.cat([torch.randn(others, heads, dim, generator=gen), query[start:stop]])
+        other_rows = torch.randn(others, heads, dim, generator=gen).to(dtype)
+        q = torch.cat([other_rows, query[start:stop]])
         lens = torch.tensor([length] * others + [stop])
         tables = table.expand(others + 1, -1).contiguous()
         starts = torch.tensor([*range(others + 1), others + stop - start])
