@@ -93,10 +93,16 @@ inline v8f fold8(V x) {
     return x;
 }
 
+// The sum of x's lanes by one fixed tree (halves, then pairs, then the last two), each sum
+// held by an empty asm: -ffast-math would otherwise order the sums as it likes wherever
+// this is inlined (seen: a change elsewhere in the file changed rows' last bits).
 inline float sum8(v8f x) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += x[i];
-  return s;
+  typedef float v4f __attribute__((vector_size(16)));
+  v4f h = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+  asm("" : "+x"(h));
+  float a = h[0] + h[2], b = h[1] + h[3];
+  asm("" : "+x"(a), "+x"(b));
+  return a + b;
 }
 
 // Offset (elements) of key position `pos`'s row in the cache, through the block table.
@@ -605,6 +611,7 @@ inline float softmax_tile(float* scores, int64_t n, float& m, float& l) {
     const vf e = exp_nonpositive(loadv(scores + j) - new_max);
     storev(scores + j, e);
     sum += e;
+    asm("" : "+v"(sum));  // in key order (sum8)
   }
   const float correction = exp_nonpositive(vf{} + (m - new_max))[0];
   l = l * correction + sum8(fold8(sum));
@@ -670,22 +677,16 @@ inline void transpose_keys(const c10::BFloat16* const* rows, int64_t offset, int
   }
 }
 
-// scale * (q . k_i) for the 16 keys of kt (transpose_keys), one in each lane, with the bits
-// of dot_keys_bf16 and score_keys: lane l of that loop's register is here register s[l]
-// (units l, l + 16, ... in that order), and the horizontal tree (fold8's lane l + lane
-// l + 8, then sum8x8's neighbours, pairs of them, the two halves) runs across registers.
-// No shuffles: a prompt's rows share one transpose per KV head and 16 keys.
-template <int kPairs>
-inline vf score_keys_in_lanes(const c10::BFloat16* q, const uint32_t* kt, float scale) {
-  uint32_t q_pairs[kPairs];
-  std::memcpy(q_pairs, q, sizeof(q_pairs));
-  __m512 s[16];
-#pragma GCC unroll 16
-  for (int l = 0; l < 16; ++l) s[l] = _mm512_setzero_ps();
-#pragma GCC unroll 64
-  for (int u = 0; u < kPairs; ++u)
-    s[u % 16] = _mm512_dpbf16_ps(s[u % 16], (__m512bh)_mm512_set1_epi32(q_pairs[u]),
-                                 (__m512bh)_mm512_loadu_si512(kt + 16 * u));
+// scale * (q_c . k_i) for the 16 keys of kt (transpose_keys), one in each lane, for kC
+// query rows q[c], with the bits of dot_keys_bf16 and score_keys: lane l of that loop's
+// register is here a register of its own (units l, l + 16, ... in that order), and the
+// horizontal tree (fold8's lane l + lane l + 8, then sum8x8's neighbours, pairs of them,
+// the two halves) runs across registers, no shuffles. Each K register loaded serves kC
+// rows: one row alone takes a K load and a broadcast per vdpbf16ps, and the loads, not
+// vdpbf16ps, bounded it (four rows: prompts 1.11-1.17x, Zen 5).
+template <int kPairs, int kC>
+inline void score_keys_in_lanes(const c10::BFloat16* const* q, const uint32_t* kt,
+                                float scale, vf* out) {
   // Each sum held by an empty asm: -ffast-math would otherwise rebuild the tree in its own
   // order (other bits than the shuffled sums; 1 x 1,536 prompts changed).
   auto add = [](vf a, vf b) {
@@ -693,13 +694,65 @@ inline vf score_keys_in_lanes(const c10::BFloat16* q, const uint32_t* kt, float 
     asm("" : "+v"(c));
     return c;
   };
-  vf f[8];
-#pragma GCC unroll 8
-  for (int l = 0; l < 8; ++l)
-    f[l] = add(reinterpret_cast<vf>(s[l]), reinterpret_cast<vf>(s[l + 8]));
-  const vf lo4 = add(add(f[0], f[1]), add(f[2], f[3]));
-  const vf hi4 = add(add(f[4], f[5]), add(f[6], f[7]));
-  return add(lo4, hi4) * scale;
+  auto unit = [&](int c, int u) {  // query c's dims 2 u and 2 u + 1, broadcast
+    uint32_t bits;
+    std::memcpy(&bits, q[c] + 2 * u, 4);
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+  };
+  // f[c] = lane l's sum + lane l + 8's, for each query
+  auto fold = [&](int l, vf* f) {
+    __m512 a[kC], b[kC];
+    for (int c = 0; c < kC; ++c) a[c] = b[c] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int u = l; u < kPairs; u += 16) {
+      const __m512bh ka = (__m512bh)_mm512_loadu_si512(kt + 16 * u);
+      const __m512bh kb = (__m512bh)_mm512_loadu_si512(kt + 16 * (u + 8));
+      for (int c = 0; c < kC; ++c) {
+        a[c] = _mm512_dpbf16_ps(a[c], unit(c, u), ka);
+        b[c] = _mm512_dpbf16_ps(b[c], unit(c, u + 8), kb);
+      }
+    }
+    for (int c = 0; c < kC; ++c)
+      f[c] = add(reinterpret_cast<vf>(a[c]), reinterpret_cast<vf>(b[c]));
+  };
+  vf x[kC], y[kC], lo4[kC];
+  fold(0, x), fold(1, y);
+  for (int c = 0; c < kC; ++c) x[c] = add(x[c], y[c]);
+  fold(2, y), fold(3, lo4);
+  for (int c = 0; c < kC; ++c) lo4[c] = add(x[c], add(y[c], lo4[c]));
+  fold(4, x), fold(5, y);
+  for (int c = 0; c < kC; ++c) x[c] = add(x[c], y[c]);
+  fold(6, y), fold(7, out);
+  for (int c = 0; c < kC; ++c) out[c] = add(lo4[c], add(x[c], add(y[c], out[c]))) * scale;
+}
+
+// scores [rows][group][kTileKeys] of a KV head's query heads (q: the first row's first
+// head; rows row_stride apart) over a tile's keys, kt (transpose_keys); row r has
+// n0 + r of them (<= kTileKeys; past its count: overwritten by softmax_tile).
+template <int kPairs>
+inline void score_tile_in_lanes(const c10::BFloat16* q, int64_t rows, int64_t row_stride,
+                                int64_t group, int64_t n0, const uint32_t* kt, float scale,
+                                float* scores, KeyStream<c10::BFloat16>& prefetch) {
+  constexpr int kC = 4;  // rows sharing each K register
+  constexpr int64_t D = 2 * kPairs;
+  for (int64_t i = 0; i < group; ++i)
+    for (int64_t r = 0; r < rows;) {
+      const int64_t count = rows - r >= kC ? kC : 1;
+      const int64_t n = std::min(kTileKeys, n0 + r + count - 1);  // the chunk's last row's
+      const c10::BFloat16* qs[kC];
+      for (int64_t c = 0; c < count; ++c) qs[c] = q + (r + c) * row_stride + i * D;
+      for (int64_t j = 0; j < n; j += 16) {
+        vf s[kC];
+        if (count == kC)
+          score_keys_in_lanes<kPairs, kC>(qs, kt + j * kPairs, scale, s);
+        else
+          score_keys_in_lanes<kPairs, 1>(qs, kt + j * kPairs, scale, s);
+        for (int64_t c = 0; c < count; ++c)
+          std::memcpy(scores + ((r + c) * group + i) * kTileKeys + j, &s[c], sizeof(vf));
+        prefetch.next(std::min<int64_t>(16, n - j) * count);
+      }
+      r += count;
+    }
 }
 #endif
 
@@ -707,14 +760,16 @@ inline vf score_keys_in_lanes(const c10::BFloat16* q, const uint32_t* kt, float 
 // scalar_t: the query's and output's dtype; cache_t: the KV cache's (the same, or
 // bfloat16 under --kv-cache-dtype bfloat16). kAmx: scores on AMX tiles (score_keys_amx;
 // both bfloat16, kD > 0, group <= 16; the caller has configured the tiles).
-// `rows` consecutive query rows of one sequence, row r seeing keys [lo, hi + r) (rows > 1
-// only for kInLanes below, without a window: the caller's max_rows) score with the keys in
-// lanes, each tile's keys transposed once for all of them: a prompt's scores without
-// horizontal sums (bfloat16 prompt attention 1.13-1.20x, 1.36x for Llama 3.2 1B's heads,
-// Zen 5). Every row's bits are those it gets alone (score_keys_in_lanes).
-template <typename scalar_t, typename cache_t, int kD, bool kAmx>
+// kInLanes (bfloat16 query and cache, kD > 0, vdpbf16ps, not kAmx): `rows` consecutive
+// query rows of one sequence, row r seeing keys [lo, hi + r) (no window), score with the
+// keys in lanes, each tile's keys transposed once for all of them: a prompt's scores
+// without horizontal sums (bfloat16 prompt attention 1.28-1.42x, 1.28-1.56x at Llama 3.2
+// 1B's heads, Zen 5). Every row's bits are those it gets alone (score_keys_in_lanes).
+// Otherwise rows is 1. An instantiation of its own: with both in one, lone rows (decodes)
+// ran 5% slower (Zen 5).
+template <typename scalar_t, typename cache_t, int kD, bool kAmx, bool kInLanes = false>
 void attend_rows(const scalar_t* q,  // [rows][num_heads, D]: these heads of each row
-                 int64_t rows, int64_t row_stride,  // q and out: elements between rows
+                 int64_t query_rows, int64_t row_stride,  // q, out: elements between rows
                  const Keys<cache_t>& keys,         // the first row's
                  KeyStream<cache_t>& prefetch,      // the thread's: visits reported
                  int64_t block_size, int64_t token_stride, int64_t kv_heads, int64_t group,
@@ -725,6 +780,7 @@ void attend_rows(const scalar_t* q,  // [rows][num_heads, D]: these heads of eac
   // are then next to each other and overlap (bfloat16 prompt attention 1.09x, Zen 5).
   // One KV head's K and V rows of a tile (16 KB for 64 keys of 64 bfloat16) stay in L1
   // for its query heads.
+  const int64_t rows = kInLanes ? query_rows : 1;  // 1 known to the compiler otherwise
   const int64_t D = kD > 0 ? kD : head_dim;
   const int64_t num_heads = kv_heads * group;
   // Both bfloat16 with kD a multiple of 32: vdpbf16ps over the query as given, where the CPU
@@ -745,8 +801,8 @@ void attend_rows(const scalar_t* q,  // [rows][num_heads, D]: these heads of eac
   const cache_t* vrows[kTileKeys];
   if constexpr (!kDotBf16)
     for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  static_assert(!kInLanes || (kDotBf16 && !kAmx));
 #ifdef __AVX512BF16__
-  constexpr bool kInLanes = kDotBf16 && !kAmx;
   constexpr int kPairs = kD / 2;
   uint32_t kt[kInLanes ? kTileKeys * kPairs : 1];  // [kTileKeys / 16][kPairs][16]
 #endif
@@ -776,11 +832,13 @@ void attend_rows(const scalar_t* q,  // [rows][num_heads, D]: these heads of eac
     for (int64_t g = 0; g < kv_heads; ++g) {
       const int64_t offset = g * D;
 #ifdef __AVX512BF16__
-      if constexpr (kInLanes)
-        if (rows > 1)
-          for (int64_t j = 0; j < std::min(kTileKeys, last - start); j += 16)
-            transpose_keys<kPairs>(krows + j, offset, std::min<int64_t>(16, last - start - j),
-                                   kt + j * kPairs);
+      if constexpr (kInLanes) {
+        for (int64_t j = 0; j < std::min(kTileKeys, last - start); j += 16)
+          transpose_keys<kPairs>(krows + j, offset, std::min<int64_t>(16, last - start - j),
+                                 kt + j * kPairs);
+        score_tile_in_lanes<kPairs>(q + g * group * D, rows, row_stride, group,
+                                    keys.hi - start, kt, scale, scores.data(), prefetch);
+      }
 #endif
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = std::min(kTileKeys, keys.hi + r - start);  // row r's keys here
@@ -796,17 +854,8 @@ void attend_rows(const scalar_t* q,  // [rows][num_heads, D]: these heads of eac
           const int64_t h = g * group + i;
           float* scores_h = scores.data() + (r * group + i) * kTileKeys;
 #ifdef __AVX512BF16__
-          if constexpr (kInLanes) {
-            if (rows > 1) {
-              for (int64_t j = 0; j < n; j += 16) {
-                const vf s = score_keys_in_lanes<kPairs>(q_r + h * D, kt + j * kPairs, scale);
-                std::memcpy(scores_h + j, &s, sizeof(s));  // past n: overwritten by softmax
-                prefetch.next(std::min<int64_t>(16, n - j));
-              }
-            } else {
-              dot_keys_bf16<kD / 32>(q_r + h * D, krows, offset, n, scale, scores_h, prefetch);
-            }
-          }
+          if constexpr (kDotBf16 && !kAmx && !kInLanes)
+            dot_keys_bf16<kD / 32>(q_r + h * D, krows, offset, n, scale, scores_h, prefetch);
 #endif
           if constexpr (!kDotBf16 && kD > 0)
             dot_keys<kD / kLanes>(qf.data() + h * D, krows, offset, n, scores_h, prefetch);
@@ -917,13 +966,18 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
                          : attend_rows<scalar_t, cache_t, 128, true>;
     }
 #endif
-    // Up to kMaxRows consecutive rows of a sequence in one call: their scores with the keys
-    // in lanes (attend_rows), where bfloat16 and vdpbf16ps meet, without a window.
+    // Up to kMaxRows consecutive rows of a sequence in one call, where bfloat16 and
+    // vdpbf16ps meet, without a window: their scores with the keys in lanes (attend_rows).
     int64_t max_rows = 1;
+    auto attend_many = attend;
 #ifdef __AVX512BF16__
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16> &&
                   std::is_same_v<cache_t, c10::BFloat16>)
-      if ((D == 64 || D == 128) && !amx && parts == 1 && window == 0) max_rows = kMaxRows;
+      if ((D == 64 || D == 128) && !amx && parts == 1 && window == 0) {
+        max_rows = kMaxRows;
+        attend_many = D == 64 ? attend_rows<scalar_t, cache_t, 64, false, true>
+                              : attend_rows<scalar_t, cache_t, 128, false, true>;
+      }
 #endif
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
 #if defined(PAGEDSERVE_AMX)
@@ -946,9 +1000,10 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
         for (rows = 1; rows < max_rows && item + rows < first[end] &&
                        token_seq[t + rows] == token_seq[t];)
           ++rows;
-        attend(q + head * D, rows, num_heads * D, keys[item - first[begin]], prefetch,
-               block_size, kv_heads * D, part_heads, group, D, static_cast<float>(scale),
-               o + head * D);
+        (rows > 1 ? attend_many : attend)(q + head * D, rows, num_heads * D,
+                                          keys[item - first[begin]], prefetch, block_size,
+                                          kv_heads * D, part_heads, group, D,
+                                          static_cast<float>(scale), o + head * D);
       }
 #if defined(PAGEDSERVE_AMX)
       if (amx) _tile_release();
