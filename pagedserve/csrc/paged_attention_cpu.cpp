@@ -29,8 +29,9 @@
 // score_keys_amx), else by vdpbf16ps (dot_keys_bf16), and takes P.V by vdpbf16ps with P
 // rounded to bfloat16 (accumulate_v_bf16), as Hugging Face's bfloat16 attention and
 // PyTorch's CPU flash attention round P before their P.V; all take exact products and
-// float32 sums. Every row, prompt or decode, takes the same path: its bits do not depend on
-// the batch.
+// float32 sums. There, a prompt's rows score with the keys in lanes, several rows to each
+// transposed tile of K (attend_rows, kInLanes), by the same sums in the same order as a
+// lone row's horizontal ones: a row's bits do not depend on its batch.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
