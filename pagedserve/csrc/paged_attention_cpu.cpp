@@ -436,6 +436,24 @@ inline void accumulate_v(float* acc, const float* p, const T* const* rows, int64
     for (int c = 0; c < kChunks; ++c) storev(acc + h * D + kLanes * c, a[h][c] + b[h][c]);
 }
 
+// run(h, heads) for a KV head's `group` query heads in passes of up to kMaxH (what the
+// registers hold): heads [h, h + heads) with heads a std::integral_constant, so that each
+// pass's loops are register-blocked.
+template <int kMaxH, typename Run>
+inline void for_head_passes(int64_t group, const Run& run) {
+  for (int64_t h = 0; h < group; h += kMaxH) {
+    const int64_t heads = std::min<int64_t>(kMaxH, group - h);
+    if (kMaxH >= 4 && heads == 4)
+      run(h, std::integral_constant<int, std::min(kMaxH, 4)>{});
+    else if (kMaxH >= 3 && heads == 3)
+      run(h, std::integral_constant<int, std::min(kMaxH, 3)>{});
+    else if (kMaxH >= 2 && heads == 2)
+      run(h, std::integral_constant<int, std::min(kMaxH, 2)>{});
+    else
+      run(h, std::integral_constant<int, 1>{});
+  }
+}
+
 // accumulate_v for a KV head's `group` query heads, as many at a time as the registers
 // hold (accumulators and one V row: 32 registers with AVX-512, 16 with AVX2).
 template <int kChunks, typename T>
@@ -445,23 +463,11 @@ inline void accumulate_v_group(float* acc, const float* p, const T* const* rows,
   constexpr int kRegisters = kLanes == 16 ? 32 : 16;
   constexpr int kMaxH = std::clamp((kRegisters - kChunks) / kChunks, 1, 4);
   constexpr int64_t D = kLanes * kChunks;
-  for (int64_t h = 0; h < group; h += kMaxH) {
-    float* acc_h = acc + h * D;
-    const float* p_h = p + h * kTileKeys;
-    const int64_t heads = std::min<int64_t>(kMaxH, group - h);
+  for_head_passes<kMaxH>(group, [&](int64_t h, auto heads) {
     const int64_t visits = h == 0;  // a key's one V visit, whatever the passes
-    if (kMaxH >= 4 && heads == 4)
-      accumulate_v<kChunks, std::min(kMaxH, 4)>(acc_h, p_h, rows, offset, n, prefetch,
-                                                 visits);
-    else if (kMaxH >= 3 && heads == 3)
-      accumulate_v<kChunks, std::min(kMaxH, 3)>(acc_h, p_h, rows, offset, n, prefetch,
-                                                 visits);
-    else if (kMaxH >= 2 && heads == 2)
-      accumulate_v<kChunks, std::min(kMaxH, 2)>(acc_h, p_h, rows, offset, n, prefetch,
-                                                 visits);
-    else
-      accumulate_v<kChunks, 1>(acc_h, p_h, rows, offset, n, prefetch, visits);
-  }
+    accumulate_v<kChunks, decltype(heads)::value>(acc + h * D, p + h * kTileKeys, rows, offset,
+                                                  n, prefetch, visits);
+  });
 }
 
 #ifdef __AVX512BF16__
@@ -536,24 +542,11 @@ inline void accumulate_v_bf16_group(float* acc, const float* scores,
       const __m256bh e = _mm512_cvtneps_pbh(_mm512_loadu_ps(scores + i * kTileKeys + j));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * kTileKeys + j), (__m256i)e);
     }
-  for (int64_t h = 0; h < group; h += kMaxH) {
-    float* acc_h = acc + h * D;
-    const uint16_t* p_h = p + h * kTileKeys;
-    const int64_t heads = std::min<int64_t>(kMaxH, group - h);
+  for_head_passes<kMaxH>(group, [&](int64_t h, auto heads) {
     const int64_t visits = h == 0;  // a key's one V visit, whatever the passes
-    auto run = [&](auto heads_constant) {
-      accumulate_v_bf16<kRegs, decltype(heads_constant)::value>(acc_h, p_h, rows, offset, n,
-                                                                 prefetch, visits);
-    };
-    if (kMaxH >= 4 && heads == 4)
-      run(std::integral_constant<int, std::min(kMaxH, 4)>{});
-    else if (kMaxH >= 3 && heads == 3)
-      run(std::integral_constant<int, std::min(kMaxH, 3)>{});
-    else if (kMaxH >= 2 && heads == 2)
-      run(std::integral_constant<int, std::min(kMaxH, 2)>{});
-    else
-      run(std::integral_constant<int, 1>{});
-  }
+    accumulate_v_bf16<kRegs, decltype(heads)::value>(acc + h * D, p + h * kTileKeys, rows,
+                                                     offset, n, prefetch, visits);
+  });
 }
 #endif
 
@@ -828,14 +821,15 @@ void attend_rows(const scalar_t* q,  // [rows][num_heads, D]: these heads of eac
   [[maybe_unused]] const bool in_place = block_size % kRows == 0 && lo % kRows == 0;
 #endif
   for (int64_t start = lo; start < last; start += kTileKeys) {
-    tile_rows(k_base, v_base, keys.table, start, std::min(kTileKeys, last - start), block_size,
-              token_stride, krows, vrows);
+    const int64_t tile_keys = std::min(kTileKeys, last - start);  // the last row's here
+    tile_rows(k_base, v_base, keys.table, start, tile_keys, block_size, token_stride, krows,
+              vrows);
     for (int64_t g = 0; g < kv_heads; ++g) {
       const int64_t offset = g * D;
 #ifdef __AVX512BF16__
       if constexpr (kInLanes) {
-        for (int64_t j = 0; j < std::min(kTileKeys, last - start); j += 16)
-          transpose_keys<kPairs>(krows + j, offset, std::min<int64_t>(16, last - start - j),
+        for (int64_t j = 0; j < tile_keys; j += 16)
+          transpose_keys<kPairs>(krows + j, offset, std::min<int64_t>(16, tile_keys - j),
                                  kt + j * kPairs);
         score_tile_in_lanes<kPairs>(q + g * group * D, rows, row_stride, group,
                                     keys.hi - start, kt, scale, scores.data(), prefetch);
