@@ -1,11 +1,12 @@
 """Paged attention on CPU through a C++ kernel (``csrc/paged_attention_cpu.cpp``).
 
-The kernel reads each sequence's K/V straight from its blocks, so a decode step costs
-no gathered copy of the context. Every query row of a step, decode or prefill, goes
-through it: a row's keys are always summed in the same tiles of 64 from its first key,
-online softmax in the same order, whatever else the step holds, so a prompt's rows get the
-same bits whether it is prefilled at once, in chunks, or after a prefix-cache hit, and a
-decode the same alone as in a batch. See ``cpu_ops.py`` for how it is built.
+The kernel reads each sequence's K/V straight from its blocks, so a decode step costs no
+gathered copy of the context. Every query row of a step, decode or prefill, goes through
+it: a row's keys are always summed in the same tiles (64 or 128 keys, by the head's row
+size and the L1 cache) from its first key, online softmax in the same order, whatever else
+the step holds, so a prompt's rows get the same bits whether it is prefilled at once, in
+chunks, or after a prefix-cache hit, and a decode the same alone as in a batch. See
+``cpu_ops.py`` for how it is built.
 """
 
 from __future__ import annotations

@@ -13,16 +13,16 @@
 // Query row i of sequence s sits at position seq_len - q_len + i and sees keys at
 // positions p with p <= pos and (window == 0 or p > pos - window).
 //
-// Softmax is computed online over tiles of 64 keys, across blocks (Milakov & Gimelshein
-// 2018, "Online normalizer calculation for softmax"): per tile and KV head, each query
-// head sharing it gets its scores (a register's worth of keys at a time, their horizontal
-// sums sharing shuffles), exponentials a register at a time and one rescale of the running
-// max and sum; then all of them accumulate V together, each V row loaded once. A decode step
-// reads every layer's context from DRAM once, and the blocks are scattered over pages the
-// hardware prefetcher does not follow, so each thread asks for its rows a tile ahead of
-// the reads, a few lines per key its loops visit (KeyStream). Head sizes 64 and 128 get
-// register-blocked loops (AVX-512 registers where the CPU has them); other sizes take
-// plain loops the compiler vectorizes.
+// Softmax is computed online over tiles of 64 or 128 keys (tile_keys), across blocks
+// (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"): per tile and KV
+// head, each query head sharing it gets its scores (a register's worth of keys at a time,
+// their horizontal sums sharing shuffles), exponentials a register at a time and one
+// rescale of the running max and sum; then all of them accumulate V together, each V row
+// loaded once. A decode step reads every layer's context from DRAM once, and the blocks are
+// scattered over pages the hardware prefetcher does not follow, so each thread asks for its
+// rows a tile ahead of the reads, a few lines per key its loops visit (KeyStream). Head
+// sizes 64 and 128 get register-blocked loops (AVX-512 registers where the CPU has them);
+// other sizes take plain loops the compiler vectorizes.
 // All arithmetic is float32 whatever the storage dtype (bfloat16 converts in registers),
 // but for a bfloat16 query against a bfloat16 cache where the CPU has AVX512-BF16: it scores
 // on AMX tiles where the CPU has them (all query heads of a KV head at once:
@@ -44,14 +44,29 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 #include "amx_tiles.h"
 #include "cpu_vec.h"
 
 namespace {
 
-// Keys per online-softmax tile (across blocks): the max/exp/rescale work of a tile is
-// shared by this many keys.
-constexpr int64_t kTileKeys = 64;
+// Keys per online-softmax tile (across blocks) at most: the max/exp/rescale work of a tile
+// is shared by its keys (tile_keys).
+constexpr int64_t kMaxTileKeys = 128;
+
+// Keys per tile for rows of `row_bytes` (a KV head's K or V row): 128 where a tile's K and
+// V rows of a KV head fit in two thirds of the L1 data cache (sysconf; 48 KiB if it does not
+// say), beside the scores, else 64: a bfloat16 head of 64 on a 48 KiB L1d. There, a prompt's
+// attention ran 1.09-1.17x faster than in tiles of 64 keys (Zen 5); a float32 head of 64 in
+// tiles of 128 (64 KiB) made decodes 4-5% slower.
+inline int64_t tile_keys(int64_t row_bytes) {
+  static const int64_t l1 = [] {
+    const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return bytes > 0 ? static_cast<int64_t>(bytes) : int64_t{48 * 1024};
+  }();
+  return 2 * kMaxTileKeys * row_bytes <= 2 * l1 / 3 ? kMaxTileKeys : kMaxTileKeys / 2;
+}
 
 // Query rows (of one sequence) that share each tile's transposed keys (attend_rows).
 constexpr int64_t kMaxRows = 16;
@@ -144,7 +159,7 @@ struct Keys {
 // asked for ahead of the arithmetic and in step with it: the loops over a tile's keys
 // report each key they visit (per KV head, each query head's scores and then V visit it),
 // and as many visits as a key gets ask for one key's K and V lines, so the requests run a
-// tile's keys (kTileKeys) ahead of the reads, across tiles and rows (a key's lines at once,
+// tile's keys (`lead`) ahead of the reads, across tiles and rows (a key's lines at once,
 // not a line per visit: a fifth fewer cycles a key when the rows are in cache, Zen 5). The
 // rows of a row's later tiles and of the thread's next row are on other pages (blocks are
 // scattered) that the hardware prefetcher does not follow. A core has only so many misses
@@ -156,14 +171,14 @@ template <typename T>
 class KeyStream {
  public:
   // items [0, count): the thread's, in order; lines: a K (and a V) row's cache lines, at
-  // an item's first KV head; visits: per key, by the loops.
+  // an item's first KV head; visits: per key, by the loops; lead: keys asked for ahead.
   KeyStream(const Keys<T>* items, int64_t count, int64_t block_size, int64_t token_stride,
-            int64_t lines, int64_t visits)
+            int64_t lines, int64_t visits, int64_t lead)
       : items_(items), count_(count), block_size_(block_size), token_stride_(token_stride),
         lines_(lines), visits_(visits) {
     next_item();
     // nothing is in flight yet
-    for (int64_t i = 0; i < kTileKeys && item_ < count_; ++i) ask_key();
+    for (int64_t i = 0; i < lead && item_ < count_; ++i) ask_key();
   }
 
   // After `visits` more visits (of any keys).
@@ -393,13 +408,13 @@ inline void score_keys_amx(const uint32_t* q_pairs, const c10::BFloat16* const* 
     prefetch.next(count * group);  // as the heads' loops would
   }
   for (int64_t i = 0; i < group; ++i)
-    for (int64_t j = 0; j < n; ++j) scores[i * kTileKeys + j] = sums[j * group + i] * scale;
+    for (int64_t j = 0; j < n; ++j) scores[i * kMaxTileKeys + j] = sums[j * group + i] * scale;
 }
 #undef PAGEDSERVE_SCORE_ROWS
 #endif
 
 // acc[h][0:D] += sum_j p[h][j] * (rows[j] + offset)[0:D] for kH query heads sharing one
-// KV head (D = kLanes * kChunks; acc rows D apart, p rows kTileKeys apart): each V row is
+// KV head (D = kLanes * kChunks; acc rows D apart, p rows kMaxTileKeys apart): each V row is
 // loaded and widened once for all of them, and the accumulators stay in registers across
 // the keys. An FMA waits 4 cycles for the previous one into the same register: with fewer
 // than 8 chains (heads x chunks), even and odd keys get accumulators of their own.
@@ -419,8 +434,8 @@ inline void accumulate_v(float* acc, const float* p, const T* const* rows, int64
       for (int c = 0; c < kChunks; ++c) {
         const vf x0 = loadv(v0 + kLanes * c), x1 = loadv(v1 + kLanes * c);
         for (int h = 0; h < kH; ++h) {
-          a[h][c] += p[h * kTileKeys + j] * x0;
-          b[h][c] += p[h * kTileKeys + j + 1] * x1;
+          a[h][c] += p[h * kMaxTileKeys + j] * x0;
+          b[h][c] += p[h * kMaxTileKeys + j + 1] * x1;
         }
       }
       prefetch.next(2 * visits);
@@ -428,7 +443,7 @@ inline void accumulate_v(float* acc, const float* p, const T* const* rows, int64
   for (; j < n; ++j) {
     for (int c = 0; c < kChunks; ++c) {
       const vf x = loadv(rows[j] + offset + kLanes * c);
-      for (int h = 0; h < kH; ++h) a[h][c] += p[h * kTileKeys + j] * x;
+      for (int h = 0; h < kH; ++h) a[h][c] += p[h * kMaxTileKeys + j] * x;
     }
     prefetch.next(visits);
   }
@@ -465,14 +480,14 @@ inline void accumulate_v_group(float* acc, const float* p, const T* const* rows,
   constexpr int64_t D = kLanes * kChunks;
   for_head_passes<kMaxH>(group, [&](int64_t h, auto heads) {
     const int64_t visits = h == 0;  // a key's one V visit, whatever the passes
-    accumulate_v<kChunks, decltype(heads)::value>(acc + h * D, p + h * kTileKeys, rows, offset,
-                                                  n, prefetch, visits);
+    accumulate_v<kChunks, decltype(heads)::value>(acc + h * D, p + h * kMaxTileKeys, rows,
+                                                  offset, n, prefetch, visits);
   });
 }
 
 #ifdef __AVX512BF16__
 // acc[h] += sum_j p[h][j] * v_j for kH query heads over bfloat16 V rows, with P rounded to
-// bfloat16 (p: [kH][kTileKeys] bfloat16 bits): vdpbf16ps on pairs of keys, (p_j, p_j+1)
+// bfloat16 (p: [kH][kMaxTileKeys] bfloat16 bits): vdpbf16ps on pairs of keys, (p_j, p_j+1)
 // broadcast against V rows j and j + 1 interleaved (vpunpck{l,h}wd), exact products and
 // float32 sums. The interleave leaves a chunk's 32 dims in the order of vpunpck's 128-bit
 // lanes (lo: 0-3, 8-11, 16-19, 24-27; hi: the other four of each eight), so acc holds that
@@ -492,7 +507,7 @@ inline void accumulate_v_bf16(float* acc, const uint16_t* p,
     __m512i pj[kH];
     for (int h = 0; h < kH; ++h) {
       uint32_t bits;
-      std::memcpy(&bits, p + h * kTileKeys + j, 4);
+      std::memcpy(&bits, p + h * kMaxTileKeys + j, 4);
       pj[h] = _mm512_set1_epi32(static_cast<int>(bits));
     }
     const c10::BFloat16* v0 = rows[j] + offset;
@@ -528,8 +543,8 @@ inline void accumulate_v_bf16(float* acc, const uint16_t* p,
 
 // accumulate_v_bf16 for a KV head's `group` query heads, as many at a time as the registers
 // hold (per head its accumulators and P's broadcast pair; the V pairs' four). Their
-// exponentials (scores [group][kTileKeys], float32, zeros past n to a whole register) are
-// rounded to bfloat16 first, into p [group][kTileKeys].
+// exponentials (scores [group][kMaxTileKeys], float32, zeros past n to a whole register) are
+// rounded to bfloat16 first, into p [group][kMaxTileKeys].
 template <int kRegs>
 inline void accumulate_v_bf16_group(float* acc, const float* scores,
                                     const c10::BFloat16* const* rows, int64_t offset,
@@ -539,12 +554,12 @@ inline void accumulate_v_bf16_group(float* acc, const float* scores,
   constexpr int64_t D = 32 * kRegs;
   for (int64_t i = 0; i < group; ++i)
     for (int64_t j = 0; j < n; j += 16) {
-      const __m256bh e = _mm512_cvtneps_pbh(_mm512_loadu_ps(scores + i * kTileKeys + j));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * kTileKeys + j), (__m256i)e);
+      const __m256bh e = _mm512_cvtneps_pbh(_mm512_loadu_ps(scores + i * kMaxTileKeys + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * kMaxTileKeys + j), (__m256i)e);
     }
   for_head_passes<kMaxH>(group, [&](int64_t h, auto heads) {
     const int64_t visits = h == 0;  // a key's one V visit, whatever the passes
-    accumulate_v_bf16<kRegs, decltype(heads)::value>(acc + h * D, p + h * kTileKeys, rows,
+    accumulate_v_bf16<kRegs, decltype(heads)::value>(acc + h * D, p + h * kMaxTileKeys, rows,
                                                      offset, n, prefetch, visits);
   });
 }
@@ -720,19 +735,20 @@ inline void score_keys_in_lanes(const c10::BFloat16* const* q, const uint32_t* k
   for (int c = 0; c < kC; ++c) out[c] = add(lo4[c], add(x[c], add(y[c], out[c]))) * scale;
 }
 
-// scores [rows][group][kTileKeys] of a KV head's query heads (q: the first row's first
-// head; rows row_stride apart) over a tile's keys, kt (transpose_keys); row r has
-// n0 + r of them (<= kTileKeys; past its count: overwritten by softmax_tile).
+// scores [rows][group][kMaxTileKeys] of a KV head's query heads (q: the first row's first
+// head; rows row_stride apart) over a tile's `tile` keys, kt (transpose_keys); row r has
+// n0 + r of them (at most tile; past its count: overwritten by softmax_tile).
 template <int kPairs>
 inline void score_tile_in_lanes(const c10::BFloat16* q, int64_t rows, int64_t row_stride,
-                                int64_t group, int64_t n0, const uint32_t* kt, float scale,
-                                float* scores, KeyStream<c10::BFloat16>& prefetch) {
+                                int64_t group, int64_t tile, int64_t n0, const uint32_t* kt,
+                                float scale, float* scores,
+                                KeyStream<c10::BFloat16>& prefetch) {
   constexpr int kC = 4;  // rows sharing each K register
   constexpr int64_t D = 2 * kPairs;
   for (int64_t i = 0; i < group; ++i)
     for (int64_t r = 0; r < rows;) {
       const int64_t count = rows - r >= kC ? kC : 1;
-      const int64_t n = std::min(kTileKeys, n0 + r + count - 1);  // the chunk's last row's
+      const int64_t n = std::min(tile, n0 + r + count - 1);  // the chunk's last row's
       const c10::BFloat16* qs[kC];
       for (int64_t c = 0; c < count; ++c) qs[c] = q + (r + c) * row_stride + i * D;
       for (int64_t j = 0; j < n; j += 16) {
@@ -742,7 +758,7 @@ inline void score_tile_in_lanes(const c10::BFloat16* q, int64_t rows, int64_t ro
         else
           score_keys_in_lanes<kPairs, 1>(qs, kt + j * kPairs, scale, s);
         for (int64_t c = 0; c < count; ++c)
-          std::memcpy(scores + ((r + c) * group + i) * kTileKeys + j, &s[c], sizeof(vf));
+          std::memcpy(scores + ((r + c) * group + i) * kMaxTileKeys + j, &s[c], sizeof(vf));
         prefetch.next(std::min<int64_t>(16, n - j) * count);
       }
       r += count;
@@ -772,7 +788,7 @@ void attend_rows(const scalar_t* q,  // [rows][num_heads, D]: these heads of eac
   // rescales its running sums (online softmax), then all of them accumulate V together.
   // All scores before any softmax: the heads' softmax chains (maximum, exponentials, sums)
   // are then next to each other and overlap (bfloat16 prompt attention 1.09x, Zen 5).
-  // One KV head's K and V rows of a tile (16 KB for 64 keys of 64 bfloat16) stay in L1
+  // One KV head's K and V rows of a tile (32 KiB for 128 keys of 64 bfloat16) stay in L1
   // for its query heads.
   const int64_t rows = kInLanes ? query_rows : 1;  // 1 known to the compiler otherwise
   const int64_t D = kD > 0 ? kD : head_dim;
@@ -789,23 +805,23 @@ void attend_rows(const scalar_t* q,  // [rows][num_heads, D]: these heads of eac
   const int64_t row_heads = rows * num_heads;  // state per (row, head), row-major
   std::vector<float> qf(kDotBf16 ? 0 : num_heads * D), acc(row_heads * D, 0.f);
   std::vector<float> m(row_heads, -INFINITY), l(row_heads, 0.f);
-  std::vector<float> scores(rows * group * kTileKeys);  // [rows, group, kTileKeys], a KV head
-  std::vector<uint16_t> p_bf16(kDotBf16 ? group * kTileKeys : 0);  // P for P.V, bfloat16
-  const cache_t* krows[kTileKeys];
-  const cache_t* vrows[kTileKeys];
+  std::vector<float> scores(rows * group * kMaxTileKeys);  // [rows, group, tile], a KV head
+  std::vector<uint16_t> p_bf16(kDotBf16 ? group * kMaxTileKeys : 0);  // P for P.V, bfloat16
+  const cache_t* krows[kMaxTileKeys];
+  const cache_t* vrows[kMaxTileKeys];
   if constexpr (!kDotBf16)
     for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
   static_assert(!kInLanes || (kDotBf16 && !kAmx));
 #ifdef __AVX512BF16__
   constexpr int kPairs = kD / 2;
-  uint32_t kt[kInLanes ? kTileKeys * kPairs : 1];  // [kTileKeys / 16][kPairs][16]
+  uint32_t kt[kInLanes ? kMaxTileKeys * kPairs : 1];  // [kMaxTileKeys / 16][kPairs][16]
 #endif
 #if defined(PAGEDSERVE_AMX)
   static_assert(!kAmx || (kDotBf16 && kD > 0));
   constexpr int kSteps = kD / 32;
   const int64_t pairs_per_kv_head = kSteps * kRows * group;
   std::vector<uint32_t> q_pairs(kAmx ? kv_heads * pairs_per_kv_head : 0);
-  float sums[kAmx ? kTileKeys * kRows : 1];  // [keys][group] (group <= kRows)
+  float sums[kAmx ? kMaxTileKeys * kRows : 1];  // [keys][group] (group <= kRows)
   c10::BFloat16 k_copy[kAmx ? kRows * kD : 1];  // not zeroed: see score_keys_amx
   if constexpr (kAmx)
     for (int64_t g = 0; g < kv_heads; ++g)
@@ -820,23 +836,23 @@ void attend_rows(const scalar_t* q,  // [rows][num_heads, D]: these heads of eac
 #if defined(PAGEDSERVE_AMX)
   [[maybe_unused]] const bool in_place = block_size % kRows == 0 && lo % kRows == 0;
 #endif
-  for (int64_t start = lo; start < last; start += kTileKeys) {
-    const int64_t tile_keys = std::min(kTileKeys, last - start);  // the last row's here
-    tile_rows(k_base, v_base, keys.table, start, tile_keys, block_size, token_stride, krows,
-              vrows);
+  const int64_t tile = tile_keys(D * int64_t{sizeof(cache_t)});
+  for (int64_t start = lo; start < last; start += tile) {
+    const int64_t span = std::min(tile, last - start);  // the last row's keys here
+    tile_rows(k_base, v_base, keys.table, start, span, block_size, token_stride, krows, vrows);
     for (int64_t g = 0; g < kv_heads; ++g) {
       const int64_t offset = g * D;
 #ifdef __AVX512BF16__
       if constexpr (kInLanes) {
-        for (int64_t j = 0; j < tile_keys; j += 16)
-          transpose_keys<kPairs>(krows + j, offset, std::min<int64_t>(16, tile_keys - j),
+        for (int64_t j = 0; j < span; j += 16)
+          transpose_keys<kPairs>(krows + j, offset, std::min<int64_t>(16, span - j),
                                  kt + j * kPairs);
-        score_tile_in_lanes<kPairs>(q + g * group * D, rows, row_stride, group,
+        score_tile_in_lanes<kPairs>(q + g * group * D, rows, row_stride, group, tile,
                                     keys.hi - start, kt, scale, scores.data(), prefetch);
       }
 #endif
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = std::min(kTileKeys, keys.hi + r - start);  // row r's keys here
+        const int64_t n = std::min(tile, keys.hi + r - start);  // row r's keys here
         if (n <= 0) continue;
         const scalar_t* q_r = q + r * row_stride;
 #if defined(PAGEDSERVE_AMX)
@@ -847,7 +863,7 @@ void attend_rows(const scalar_t* q,  // [rows][num_heads, D]: these heads of eac
 #endif
         for (int64_t i = 0; i < group; ++i) {
           const int64_t h = g * group + i;
-          float* scores_h = scores.data() + (r * group + i) * kTileKeys;
+          float* scores_h = scores.data() + (r * group + i) * kMaxTileKeys;
 #ifdef __AVX512BF16__
           if constexpr (kDotBf16 && !kAmx && !kInLanes)
             dot_keys_bf16<kD / 32>(q_r + h * D, krows, offset, n, scale, scores_h, prefetch);
@@ -859,13 +875,13 @@ void attend_rows(const scalar_t* q,  // [rows][num_heads, D]: these heads of eac
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = std::min(kTileKeys, keys.hi + r - start);
+        const int64_t n = std::min(tile, keys.hi + r - start);
         if (n <= 0) continue;
-        float* scores_r = scores.data() + r * group * kTileKeys;
+        float* scores_r = scores.data() + r * group * kMaxTileKeys;
         float* acc_r = acc.data() + r * num_heads * D;
         for (int64_t i = 0; i < group; ++i) {
           const int64_t h = g * group + i;
-          float* scores_h = scores_r + i * kTileKeys;
+          float* scores_h = scores_r + i * kMaxTileKeys;
           const float correction = softmax_tile(scores_h, n, m[r * num_heads + h],
                                                 l[r * num_heads + h]);
           if (correction != 1.f)
@@ -988,7 +1004,8 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
       }
       const int64_t lines = (part_heads * D * int64_t{sizeof(cache_t)} + 63) / 64;
       KeyStream<cache_t> prefetch(keys.data(), keys.size(), block_size, kv_heads * D, lines,
-                                  part_heads * (group + 1));
+                                  part_heads * (group + 1),
+                                  tile_keys(D * int64_t{sizeof(cache_t)}));
       for (int64_t item = first[begin], rows; item < first[end]; item += rows) {
         const int64_t t = item / parts, g = item % parts * part_heads;
         const int64_t head = t * num_heads + g * group;
