@@ -53,11 +53,13 @@ __attribute__((always_inline)) inline vf loadv(const T* p) {
   return x;
 }
 
-inline void storev(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
+__attribute__((always_inline)) inline void storev(float* p, vf x) {
+  std::memcpy(p, &x, sizeof(x));
+}
 
 // x rounded to bfloat16 as c10::BFloat16 rounds a float (nearest even, NaN as 0x7FC0), in
-// integer arithmetic: fast-math may not fold the NaN test away.
-inline void storev(c10::BFloat16* p, vf x) {
+// integer arithmetic: fast-math may not fold the NaN test away. Always inlined, as loadv.
+__attribute__((always_inline)) inline void storev(c10::BFloat16* p, vf x) {
   typedef uint32_t vu32 __attribute__((vector_size(4 * kLanes)));
   vu32 bits;
   std::memcpy(&bits, &x, sizeof(bits));
