@@ -126,22 +126,13 @@ PRECISE void quantize_row(const scalar_t* x, int64_t K, int8_t* q, float* scale)
   round_scaled(x, K, inv, q);
 }
 
-template <typename out_t, typename bias_t>
-PRECISE void epilogue_row(const int32_t* acc, float xs, const float* ws, const bias_t* bias,
-                          int64_t N, out_t* out) {
-  for (int64_t n = 0; n < N; ++n) {
-    float v = static_cast<float>(acc[n]) * xs;
-    v = v * ws[n];
-    if (bias != nullptr) v = v + to_float(bias[n]);
-    store_float(out + n, v);
-  }
-}
-
-// epilogue_row for the rows [0, rows) of a packed product's flushed sums (c, ldc apart; out,
-// ldo apart), each sum less its column's correction, over `width` columns: a register of
-// columns at a time (cpu_vec.h), the same operations in the same order (the same bits), in
-// one call for all the rows. (A pass subtracting the corrections, then a call to
-// epilogue_row per row and panel: 5.4% of an int8 workload run's samples; this: 4.4%, Zen 5.)
+// out[r][n] = (float(c[r][n] - corrections[n]) * xs[r]) * ws[n] + bias[n] for the rows
+// [0, rows) (c, ldc apart; out, ldo apart) and columns [0, width): int32 sums (less a packed
+// product's corrections; none where null) to the output dtype, a register of columns at a
+// time (cpu_vec.h) and the rest one by one, the same operations in the same order (the same
+// bits). (The packed product's flushes, before: a pass subtracting the corrections, then a
+// call per row and panel with a plain loop: 5.4% of an int8 workload run's samples; 4.4%
+// this way, Zen 5.)
 template <typename out_t, typename bias_t>
 PRECISE void epilogue_rows(const int32_t* c, int64_t ldc, const int32_t* corrections,
                            const float* xs, int64_t rows, const float* ws, const bias_t* bias,
@@ -155,9 +146,9 @@ PRECISE void epilogue_rows(const int32_t* c, int64_t ldc, const int32_t* correct
     if constexpr (kVector) {
       const vf x_scale = vf{} + xs[r];
       for (int64_t n = 0; n < whole; n += kLanes) {
-        vi a, k;
+        vi a, k = vi{};
         std::memcpy(&a, sums + n, sizeof(a));
-        std::memcpy(&k, corrections + n, sizeof(k));
+        if (corrections != nullptr) std::memcpy(&k, corrections + n, sizeof(k));
         vf v = __builtin_convertvector(a - k, vf) * x_scale;
         v = v * pagedserve_vec::loadv(ws + n);
         if (bias != nullptr) v = v + pagedserve_vec::loadv(bias + n);
@@ -165,7 +156,8 @@ PRECISE void epilogue_rows(const int32_t* c, int64_t ldc, const int32_t* correct
       }
     }
     for (int64_t n = whole; n < width; ++n) {
-      float v = static_cast<float>(sums[n] - corrections[n]) * xs[r];
+      const int32_t exact = sums[n] - (corrections != nullptr ? corrections[n] : 0);
+      float v = static_cast<float>(exact) * xs[r];
       v = v * ws[n];
       if (bias != nullptr) v = v + to_float(bias[n]);
       store_float(o + n, v);
@@ -314,8 +306,8 @@ torch::Tensor int8_scaled_mm_epilogue(torch::Tensor acc, torch::Tensor x_scale,
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, bias_type, "bias", [&] {
       const scalar_t* bp = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
       at::parallel_for(0, M, kGrain, [&](int64_t begin, int64_t end) {
-        for (int64_t m = begin; m < end; ++m)
-          epilogue_row(ap + m * N, xs[m], ws, bp, N, op + m * N);
+        epilogue_rows(ap + begin * N, N, nullptr, xs + begin, end - begin, ws, bp, N,
+                      op + begin * N, N);
       });
     });
   });
