@@ -44,10 +44,9 @@
 #include <utility>
 #include <vector>
 
-#include <unistd.h>
-
 #include "amx_tiles.h"
 #include "cpu_vec.h"
+#include "gemm_blocking.h"
 
 namespace {
 
@@ -61,10 +60,7 @@ constexpr int64_t kMaxTileKeys = 128;
 // attention ran 1.09-1.17x faster than in tiles of 64 keys (Zen 5); a float32 head of 64 in
 // tiles of 128 (64 KiB) made decodes 4-5% slower.
 inline int64_t tile_keys(int64_t row_bytes) {
-  static const int64_t l1 = [] {
-    const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-    return bytes > 0 ? static_cast<int64_t>(bytes) : int64_t{48 * 1024};
-  }();
+  static const int64_t l1 = pagedserve_gemm::cache_bytes(_SC_LEVEL1_DCACHE_SIZE, 48 * 1024);
   return 2 * kMaxTileKeys * row_bytes <= 2 * l1 / 3 ? kMaxTileKeys : kMaxTileKeys / 2;
 }
 
