@@ -616,7 +616,11 @@ inline float softmax_tile(float* scores, int64_t n, float& m, float& l) {
     const vf e = exp_nonpositive(loadv(scores + j) - new_max);
     storev(scores + j, e);
     sum += e;
+#ifdef __AVX__
     asm("" : "+v"(sum));  // in key order (sum8)
+#else
+    asm("" : "+m"(sum));  // no one register holds a vf of 8 floats without AVX
+#endif
   }
   const float correction = exp_nonpositive(vf{} + (m - new_max))[0];
   l = l * correction + sum8(fold8(sum));
