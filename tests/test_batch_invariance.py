@@ -146,15 +146,17 @@ def test_row_logsumexp_rows_invariant(m, v, seed):
     assert ops.row_logsumexp(torch.full((2, 7), float("-inf"))).tolist() == [float("-inf")] * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @settings(max_examples=10, deadline=None)
 @given(m=st.integers(1, 300), v=st.sampled_from([1, 5, 1000, 49152]), seed=st.integers(0, 2**31))
-def test_row_argmax_is_argmax_and_rows_invariant(m, v, seed):
+def test_row_argmax_is_argmax_and_rows_invariant(dtype, m, v, seed):
+    """The LM head's own dtype, as greedy sampling passes it: the float32 copy's argmax."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(-4, 4, (m, v), generator=gen).float()  # ties: the first index wins
+    x = torch.randint(-4, 4, (m, v), generator=gen).to(dtype)  # ties: the first index wins
     x[0] = float("-inf")
     ops = load_cpu_ops()
     assert_rows_invariant(ops.row_argmax, x)
-    assert torch.equal(ops.row_argmax(x), x.argmax(-1))
+    assert torch.equal(ops.row_argmax(x), x.float().argmax(-1))
     nan_at = torch.randint(0, v, (m,), generator=gen)
     x[torch.arange(m), nan_at] = float("nan")  # a NaN is the maximum, as torch.argmax has it
     assert torch.equal(ops.row_argmax(x), nan_at)

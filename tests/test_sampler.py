@@ -24,6 +24,25 @@ def test_greedy_is_argmax():
     assert out.topk_token_ids is None and out.sampled_ranks is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_sample_as_their_float32_copy(dtype):
+    """Logits in the LM head's dtype: greedy rows (taken without a float32 copy), a penalty
+    and logprobs give what their float32 copy gives (ties broken by the first index)."""
+    logits = (torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 4).round()
+    logits = logits.to(dtype)
+    for params in ([SamplingParams(temperature=0)] * 6,
+                   [SamplingParams(temperature=0, logprobs=3)] * 6,
+                   [SamplingParams(temperature=0, presence_penalty=1.0)] * 6):
+        outputs = [[i, 2 * i] for i in range(6)]
+        got = SAMPLER(logits, build(params, outputs=outputs, vocab=300))
+        ref = SAMPLER(logits.float(), build(params, outputs=outputs, vocab=300))
+        for name, value in vars(ref).items():
+            assert (value is None and getattr(got, name) is None) \
+                or torch.equal(getattr(got, name), value), name
+    assert torch.equal(SAMPLER(logits, build([SamplingParams(temperature=0)] * 6, vocab=300))
+                       .sampled_token_ids, logits.float().argmax(-1))
+
+
 # Hand-computed: logits [2, -1, 0.5, 3, -2], prompt [0], output [1, 1, 3].
 LOGITS = [2.0, -1.0, 0.5, 3.0, -2.0]
 

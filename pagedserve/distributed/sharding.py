@@ -161,8 +161,8 @@ class TensorParallelModel(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Hidden ``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]`` on the driver,
-        None on the other ranks."""
+        """Hidden ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` (the model's dtype) on
+        the driver, None on the other ranks."""
         logits = self.group.gather_last_dim(self.model.compute_logits(hidden))
         return None if logits is None else logits[:, : self.vocab_size]
 

@@ -270,13 +270,14 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``
-        (soft-capped ``cap * tanh(logits / cap)`` where the model configures it)."""
+        """Hidden states ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` in the LM head's
+        dtype (soft-capped ``cap * tanh(logits / cap)`` where the model configures it). As
+        vLLM's, the sampler widens them to float32 where it processes them."""
         logits = self.lm_head(hidden)
         if self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters. A checkpoint may

@@ -161,7 +161,7 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare_inputs([[0] * n for n in lens],
                                                          [0] * len(lens), tables)
         hidden = self.model(input_ids, positions, kv_caches, meta)
-        logits = self.model.compute_logits(hidden[: min(max_num_seqs, num_tokens)])
+        logits = self.model.compute_logits(hidden[: min(max_num_seqs, num_tokens)]).float()
         torch.sort(logits, dim=-1)
 
     def prepare_inputs(self, new_tokens: list[list[int]], starts: list[int],
@@ -221,7 +221,7 @@ class ModelRunner:
         spans = _spans(requests)
         draft_probs = self._draft_probs(spans, rows)
         probs = None if not draft_probs else Sampler.sampling_logits(
-            Sampler.process_logits(raw, batch), batch).softmax(-1)
+            Sampler.process_logits(raw.float(), batch), batch).softmax(-1)
         for request, start, end in spans:
             drafts = rows[end - 1][1]
             q = draft_probs.get(request.request_id)
@@ -268,7 +268,7 @@ class ModelRunner:
         num_rows = min(num_new, request.num_prompt_tokens - 1 - start)
         if num_rows <= 0:
             return
-        logits = self.model.compute_logits(hidden[:num_rows])
+        logits = self.model.compute_logits(hidden[:num_rows]).float()
         logprobs = logits - logsumexp_rows(logits)[:, None]  # a row's bits whatever the chunk
         targets = torch.tensor(request.prompt_token_ids[start + 1 : start + 1 + num_rows],
                                device=logprobs.device)
