@@ -379,10 +379,14 @@ struct Lanes {
   static inline I high_nibbles(I v) {
     return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
   }
-  // Pairs to int16 and pairs of those. No saturation for Q4_1's quants (w <= 15: pairs of
-  // at most 2 * 15 * 127) nor FP4's (w <= 24); Q8_0 multiplies its own way (see there).
-  static inline I dot_u8(I acc, I w, int32_t a4) {
-    const I p = _mm256_maddubs_epi16(w, _mm256_set1_epi32(a4));
+  // The products of unsigned w and the 4 signed bytes a4 added in pairs, as int16 (no
+  // saturation for Q4_1's quants, w <= 15, nor FP4's, w <= 24: pairs of at most
+  // 2 * 24 * 127); Q8_0 multiplies its own way (see there).
+  static inline I pairs(I w, int32_t a4) {
+    return _mm256_maddubs_epi16(w, _mm256_set1_epi32(a4));
+  }
+  // acc + the int16 lanes of p added in pairs, as int32.
+  static inline I widen_add(I acc, I p) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
   }
   static inline I table(const int8_t* t) {
@@ -475,11 +479,15 @@ void quantize_x_block(const In* x, int8_t* q, float* d, float* s, int32_t* sum,
 
 // Per lane, the sum over k of register w[k]'s 4 unsigned bytes times activation quants
 // 4k..4k+3 (k from k0 to k1 - 1): a block's integer dot products for the tile's rows.
-// Two chains, even and odd k, added at the end: integer sums, so the same result in any
-// order, and half the latency of one chain of vpdpbusd (Q4_1 GEMMs on SmolLM2's shapes
-// 1.05-1.14x, Zen 5).
+// Integer sums, so the same result in any order:
+// - vpdpbusd in two chains, even and odd k, added at the end: half the latency of one
+//   chain (Q4_1 GEMMs on SmolLM2's shapes 1.05-1.14x, Zen 5);
+// - AVX2: the int16 pairs of up to 4 steps added before vpmaddwd widens them (at most
+//   4 * 2 * 24 * 127 = 24,384, within int16): a quarter of the vpmaddwd, which share the
+//   multiply pipes with vpmaddubsw (Q4_1 1.06-1.08x, an AVX2 build on Zen 5).
 inline Lanes::I dot_u8_block(const Lanes::I w[8], const int32_as_bytes* a4, int k0 = 0,
                              int k1 = 8) {
+#if defined(PAGEDSERVE_A8_AVX512)
   Lanes::I even = Lanes::zero(), odd = Lanes::zero();
   int k = k0;
   for (; k + 2 <= k1; k += 2) {
@@ -488,6 +496,17 @@ inline Lanes::I dot_u8_block(const Lanes::I w[8], const int32_as_bytes* a4, int 
   }
   if (k < k1) even = Lanes::dot_u8(even, w[k], a4[k]);
   return Lanes::add(even, odd);
+#else
+  constexpr int kStepsPerWiden = 4;
+  Lanes::I sum = Lanes::zero();
+  for (int k = k0; k < k1; k += kStepsPerWiden) {
+    Lanes::I p = Lanes::pairs(w[k], a4[k]);
+    for (int j = k + 1; j < std::min(k + kStepsPerWiden, k1); ++j)
+      p = _mm256_add_epi16(p, Lanes::pairs(w[j], a4[j]));
+    sum = Lanes::widen_add(sum, p);
+  }
+  return sum;
+#endif
 }
 
 // A format says, for kRows rows of a tile: how to load a block's scales (once per block,
