@@ -219,9 +219,9 @@ class ModelRunner:
         raw, targets = self.sampler.sample(logits, batch)
         chosen = targets.tolist()  # becomes the token each row contributes
         spans = _spans(requests)
-        draft_probs = self._draft_probs(spans, rows)
+        draft_probs = self._draft_probs(spans, rows)  # random rows': raw is float32 then
         probs = None if not draft_probs else Sampler.sampling_logits(
-            Sampler.process_logits(raw.float(), batch), batch).softmax(-1)
+            Sampler.process_logits(raw, batch), batch).softmax(-1)
         for request, start, end in spans:
             drafts = rows[end - 1][1]
             q = draft_probs.get(request.request_id)
