@@ -10,6 +10,7 @@ invariance; the choice for being timed once, written, and read back unchanged.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -178,6 +179,19 @@ def test_without_the_pair_kernel_the_choice_is_fma(fresh_cache, monkeypatch):
     assert kernel_choice.bf16_layout(64, 64) == "fma"
     assert not fresh_cache.exists()
 
+
+
+def test_routes_are_timed_by_the_geometric_mean_over_row_counts():
+    """A route 2x faster at a decode step's 16 rows beats one 1.3x faster at a prefill
+    chunk's 128 (a sum of the times would pick the second), and each route's figure is the
+    geometric mean of its best calls (sleeps of known length stand in for products)."""
+    lengths = {"decode_fast": {16: 0.002, 128: 0.013}, "chunk_fast": {16: 0.004, 128: 0.010}}
+    routes = {name: (lambda x, by_rows=by_rows: time.sleep(by_rows[x.shape[0]]))
+              for name, by_rows in lengths.items()}
+    times = kernel_choice.time_routes(routes, 8)
+    assert min(times, key=times.get) == "decode_fast"
+    for name, by_rows in lengths.items():
+        assert times[name] == pytest.approx((by_rows[16] * by_rows[128]) ** 0.5, rel=0.25)
 
 @pytest.mark.skipif(not load_cpu_ops().packed_int8_available(),
                     reason="no AVX512-VNNI or AVX2 here")
