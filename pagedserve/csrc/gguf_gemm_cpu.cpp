@@ -61,6 +61,8 @@
 #include <cstring>
 #include <vector>
 
+#include "work_sharing.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define PAGEDSERVE_A8_AVX512 1
@@ -988,36 +990,37 @@ ActivationBlocks quantize_rows(const In* x, int64_t M, int64_t K, int64_t group_
 template <typename Format, typename Out>
 void mul_mat(const uint8_t* W, const ActivationBlocks& a, int64_t M, int64_t N, Out* out) {
   const int64_t tile_bytes = tile_bytes_of<Format>(a.blocks_per_row);
-  at::parallel_for(0, N / kTileRows, 1, [&](int64_t begin, int64_t end) {
-    const int64_t passes = (M + kMaxRowsPerPass - 1) / kMaxRowsPerPass, nb = a.blocks_per_row;
-    const int64_t lines = (tile_bytes + 63) / 64;
-    const int64_t lines_per_step =
-        passes > 1 ? (lines + (passes - 1) * nb - 1) / ((passes - 1) * nb) : 0;
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = W + t * tile_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerPass) {
-        NextTile next;
-        if (m0 > 0 && t + 1 < end)
-          next = {tile + tile_bytes, lines_per_step, (m0 / kMaxRowsPerPass - 1) * nb, lines};
-        Out* o = out + m0 * N + t * kTileRows;
-        // Output lines two tiles on asked for now: a store that misses the cache holds up
-        // the stores behind it (the tied LM head's 64 rows of 49,152: 1.24x).
-        if (t + 2 < end)
-          for (int64_t m = m0; m < std::min(M, m0 + kMaxRowsPerPass); ++m)
-            __builtin_prefetch(out + m * N + (t + 2) * kTileRows, 1);
-        switch (std::min(M - m0, kMaxRowsPerPass)) {
-          case 1: tile_pass<Format, 1, Out>(tile, a, m0, next, o, N); break;
-          case 2: tile_pass<Format, 2, Out>(tile, a, m0, next, o, N); break;
-          case 3: tile_pass<Format, 3, Out>(tile, a, m0, next, o, N); break;
-          case 4: tile_pass<Format, 4, Out>(tile, a, m0, next, o, N); break;
-          case 5: tile_pass<Format, 5, Out>(tile, a, m0, next, o, N); break;
-          case 6: tile_pass<Format, 6, Out>(tile, a, m0, next, o, N); break;
-          case 7: tile_pass<Format, 7, Out>(tile, a, m0, next, o, N); break;
-          default: tile_pass<Format, 8, Out>(tile, a, m0, next, o, N); break;
-        }
+  const int64_t passes = (M + kMaxRowsPerPass - 1) / kMaxRowsPerPass, nb = a.blocks_per_row;
+  const int64_t lines = (tile_bytes + 63) / 64;
+  const int64_t lines_per_step =
+      passes > 1 ? (lines + (passes - 1) * nb - 1) / ((passes - 1) * nb) : 0;
+  // Tile t's columns for all M rows; next_t: the tile this thread takes next (or -1), whose
+  // bytes are asked for during the passes after the first.
+  auto tile_of = [&](int64_t t, int64_t next_t) {
+    const uint8_t* tile = W + t * tile_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerPass) {
+      NextTile next;
+      if (m0 > 0 && next_t >= 0)
+        next = {W + next_t * tile_bytes, lines_per_step, (m0 / kMaxRowsPerPass - 1) * nb, lines};
+      Out* o = out + m0 * N + t * kTileRows;
+      // Output lines two tiles on asked for now: a store that misses the cache holds up
+      // the stores behind it (the tied LM head's 64 rows of 49,152: 1.24x).
+      if (next_t == t + 1 && t + 2 < N / kTileRows)
+        for (int64_t m = m0; m < std::min(M, m0 + kMaxRowsPerPass); ++m)
+          __builtin_prefetch(out + m * N + (t + 2) * kTileRows, 1);
+      switch (std::min(M - m0, kMaxRowsPerPass)) {
+        case 1: tile_pass<Format, 1, Out>(tile, a, m0, next, o, N); break;
+        case 2: tile_pass<Format, 2, Out>(tile, a, m0, next, o, N); break;
+        case 3: tile_pass<Format, 3, Out>(tile, a, m0, next, o, N); break;
+        case 4: tile_pass<Format, 4, Out>(tile, a, m0, next, o, N); break;
+        case 5: tile_pass<Format, 5, Out>(tile, a, m0, next, o, N); break;
+        case 6: tile_pass<Format, 6, Out>(tile, a, m0, next, o, N); break;
+        case 7: tile_pass<Format, 7, Out>(tile, a, m0, next, o, N); break;
+        default: tile_pass<Format, 8, Out>(tile, a, m0, next, o, N); break;
       }
     }
-  });
+  };
+  pagedserve_sharing::for_each_item(N / kTileRows, tile_of);
 }
 
 }  // namespace
