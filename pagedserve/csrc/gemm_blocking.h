@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "work_sharing.h"
+
 namespace pagedserve_gemm {
 
 // Rows of x whose partial sums a thread keeps between runs: [kChunkRows, kWidth]
@@ -99,8 +101,10 @@ void for_each_tile(int64_t M, int64_t K, int64_t x_row_bytes, const W* packed, i
   const int64_t runs = std::max<int64_t>(1, (K + max_depth - 1) / max_depth);
   const int64_t run_depth = std::max<int64_t>(1, (K + runs - 1) / runs);  // runs of one depth
   const auto run = [&](int64_t p, int64_t k0) { return packed + p * panel_stride + k0 * kWidth; };
-  // Panels [begin, end), rows [m_begin, m_end) of each, with accumulators c.
-  const auto tiles = [&](int64_t begin, int64_t end, int64_t m_begin, int64_t m_end, Acc* c) {
+  // Panels [begin, end), rows [m_begin, m_end) of each, with accumulators c; after_end: the
+  // panel the thread takes next (-1: none), whose first run the last panel's prefetches.
+  const auto tiles = [&](int64_t begin, int64_t end, int64_t m_begin, int64_t m_end, Acc* c,
+                         int64_t after_end) {
     for (int64_t m_block = m_begin; m_block < m_end; m_block += rows_per_block) {
       const int64_t block_end = std::min(m_end, m_block + rows_per_block);
       for (int64_t p = begin; p < end; ++p) {
@@ -113,7 +117,8 @@ void for_each_tile(int64_t M, int64_t K, int64_t x_row_bytes, const W* packed, i
             // panel's again, for the block's next chunk).
             const bool last = k0 + run_depth >= K;
             const int64_t next_k0 = last ? 0 : k0 + run_depth;
-            const int64_t next_p = last && m_chunk + kChunkRows >= block_end ? p + 1 : p;
+            int64_t next_p = last && m_chunk + kChunkRows >= block_end ? p + 1 : p;
+            if (next_p == end) next_p = after_end;
             const int64_t lines =
                 (std::min(run_depth, K - next_k0) * kWidth * int64_t{sizeof(W)} + 63) / 64;
             for (int64_t g = 0; g < groups; ++g) {
@@ -121,7 +126,7 @@ void for_each_tile(int64_t M, int64_t K, int64_t x_row_bytes, const W* packed, i
               const int rows = static_cast<int>(std::min<int64_t>(kGroup, chunk - m0));
               const int64_t l0 = g * lines / groups, share = (g + 1) * lines / groups - l0;
               Prefetch pf;
-              if (groups > 1 && next_p < end)
+              if (groups > 1 && next_p >= 0)
                 pf = {reinterpret_cast<const char*>(run(next_p, next_k0)) + 64 * l0, share};
               tile(rows, m_chunk + m0, k0, depth, run(p, k0), c + m0 * ldc, ldc, pf);
             }
@@ -133,9 +138,22 @@ void for_each_tile(int64_t M, int64_t K, int64_t x_row_bytes, const W* packed, i
   };
   // Work in units of (panel, group of kGroup rows), panel-major; each thread an equal run.
   const int64_t groups = (M + kGroup - 1) / kGroup, units = panels * groups;
+  thread_local std::vector<Acc> buffer;  // reused by every call on this thread
+  if (M <= rows_per_block) {
+    // One block of rows (decode steps, short prompts): a thread takes its run a panel's
+    // units at a time, then, once out, the others' last units (csrc/work_sharing.h).
+    pagedserve_sharing::for_each_run(units, groups, [&](int64_t u0, int64_t u1, int64_t next) {
+      buffer.resize(std::max<int64_t>(buffer.size(), std::min(M, kChunkRows) * ldc));
+      tiles(u0 / groups, u0 / groups + 1, u0 % groups * kGroup,
+            std::min(M, ((u1 - 1) % groups + 1) * kGroup), buffer.data(),
+            next < 0 ? -1 : next / groups);
+    });
+    return;
+  }
+  // Blocks of rows through a thread's panels: shares fixed, so that the block's rows of x
+  // stay in L2 from one panel to the next.
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), units);
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    thread_local std::vector<Acc> buffer;  // reused by every call on this thread
     buffer.resize(std::max<int64_t>(buffer.size(), std::min(M, kChunkRows) * ldc));
     const int64_t u0 = units * part_begin / parts, u1 = units * part_end / parts;
     const int64_t first = u0 / groups, last = (u1 - 1) / groups;  // panels touched
@@ -143,14 +161,14 @@ void for_each_tile(int64_t M, int64_t K, int64_t x_row_bytes, const W* packed, i
     const int64_t m_first = u0 % groups * kGroup;
     const int64_t m_last = std::min(M, ((u1 - 1) % groups + 1) * kGroup);
     if (first == last) {
-      tiles(first, first + 1, m_first, m_last, buffer.data());
+      tiles(first, first + 1, m_first, m_last, buffer.data(), -1);
       return;
     }
     int64_t full_begin = first;
-    if (m_first > 0) tiles(first, first + 1, m_first, M, buffer.data()), ++full_begin;
+    if (m_first > 0) tiles(first, first + 1, m_first, M, buffer.data(), -1), ++full_begin;
     const int64_t full_end = m_last < M ? last : last + 1;
-    tiles(full_begin, full_end, 0, M, buffer.data());
-    if (m_last < M) tiles(last, last + 1, 0, m_last, buffer.data());
+    tiles(full_begin, full_end, 0, M, buffer.data(), -1);
+    if (m_last < M) tiles(last, last + 1, 0, m_last, buffer.data(), -1);
   });
 }
 

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 namespace pagedserve_sharing {
 
@@ -28,14 +29,16 @@ struct alignas(64) Share {
 
   static uint64_t pack(uint64_t begin, uint64_t end) { return end << 32 | begin; }
 
-  // The first item left (taken), or -1 if none is.
-  int64_t take_front() {
+  // The items left from the first up to the next multiple of `run` (taken): [begin, end),
+  // or begin = -1 if none is.
+  std::pair<int64_t, int64_t> take_front(uint64_t run) {
     uint64_t v = range.load(std::memory_order_relaxed);
     for (;;) {
       const uint64_t begin = v & 0xffffffffu, end = v >> 32;
-      if (begin >= end) return -1;
-      if (range.compare_exchange_weak(v, pack(begin + 1, end), std::memory_order_relaxed))
-        return static_cast<int64_t>(begin);
+      if (begin >= end) return {-1, -1};
+      const uint64_t stop = std::min(end, (begin / run + 1) * run);
+      if (range.compare_exchange_weak(v, pack(stop, end), std::memory_order_relaxed))
+        return {static_cast<int64_t>(begin), static_cast<int64_t>(stop)};
     }
   }
 
@@ -58,14 +61,17 @@ struct alignas(64) Share {
   }
 };
 
-// fn(i, next) for every item i in [0, n) (n < 2^32), on at::get_num_threads() threads at
-// most, each item once. next is the item this thread will likely take after i, for a
-// prefetch (it may be taken by another thread meanwhile), or -1.
+// fn(begin, end, next) for runs of items [begin, end) that cover [0, n) (n < 2^32) once, on
+// at::get_num_threads() threads at most. A thread takes its own share's items in order, up
+// to each multiple of `run` at a time (items that belong together, e.g. a weight panel's
+// groups of rows), then other shares' items one at a time from the back. next: the item
+// this thread will likely take after `end - 1`, for a prefetch (another thread may take it
+// meanwhile), or -1.
 template <typename F>
-void for_each_item(int64_t n, const F& fn) {
+void for_each_run(int64_t n, int64_t run, const F& fn) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   if (threads <= 1 || at::in_parallel_region()) {
-    for (int64_t i = 0; i < n; ++i) fn(i, i + 1 < n ? i + 1 : -1);
+    for (int64_t i = 0; i < n; i += run) fn(i, std::min(n, i + run), i + run < n ? i + run : -1);
     return;
   }
   std::unique_ptr<Share[]> shares(new Share[threads]);
@@ -75,14 +81,24 @@ void for_each_item(int64_t n, const F& fn) {
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       Share& own = shares[t];
-      for (int64_t i; (i = own.take_front()) >= 0;) fn(i, own.holds(i + 1) ? i + 1 : -1);
+      for (;;) {
+        const auto [i, stop] = own.take_front(run);
+        if (i < 0) break;
+        fn(i, stop, own.holds(stop) ? stop : -1);
+      }
       for (int64_t o = 1; o < threads; ++o) {
         Share& other = shares[(t + o) % threads];
         for (int64_t i; (i = other.take_back()) >= 0;)
-          fn(i, other.holds(i - 1) ? i - 1 : -1);
+          fn(i, i + 1, other.holds(i - 1) ? i - 1 : -1);
       }
     }
   });
+}
+
+// fn(i, next) for every item i in [0, n), as for_each_run with runs of one item.
+template <typename F>
+void for_each_item(int64_t n, const F& fn) {
+  for_each_run(n, 1, [&](int64_t i, int64_t, int64_t next) { fn(i, next); });
 }
 
 }  // namespace pagedserve_sharing
