@@ -180,7 +180,6 @@ def test_without_the_pair_kernel_the_choice_is_fma(fresh_cache, monkeypatch):
     assert not fresh_cache.exists()
 
 
-
 def test_routes_are_timed_by_the_geometric_mean_over_row_counts():
     """A route 2x faster at a decode step's 16 rows beats one 1.3x faster at a prefill
     chunk's 128 (a sum of the times would pick the second), and each route's figure is the
@@ -192,6 +191,7 @@ def test_routes_are_timed_by_the_geometric_mean_over_row_counts():
     assert min(times, key=times.get) == "decode_fast"
     for name, by_rows in lengths.items():
         assert times[name] == pytest.approx((by_rows[16] * by_rows[128]) ** 0.5, rel=0.25)
+
 
 @pytest.mark.skipif(not load_cpu_ops().packed_int8_available(),
                     reason="no AVX512-VNNI or AVX2 here")

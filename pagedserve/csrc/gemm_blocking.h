@@ -139,13 +139,17 @@ void for_each_tile(int64_t M, int64_t K, int64_t x_row_bytes, const W* packed, i
   // Work in units of (panel, group of kGroup rows), panel-major; each thread an equal run.
   const int64_t groups = (M + kGroup - 1) / kGroup, units = panels * groups;
   thread_local std::vector<Acc> buffer;  // reused by every call on this thread
+  // The calling thread's accumulators, sized for this call.
+  const auto thread_buffer = [&] {
+    buffer.resize(std::max<int64_t>(buffer.size(), std::min(M, kChunkRows) * ldc));
+    return buffer.data();
+  };
   if (M <= rows_per_block) {
     // One block of rows (decode steps, short prompts): a thread takes its run a panel's
     // units at a time, then, once out, the others' last units (csrc/work_sharing.h).
     pagedserve_sharing::for_each_run(units, groups, [&](int64_t u0, int64_t u1, int64_t next) {
-      buffer.resize(std::max<int64_t>(buffer.size(), std::min(M, kChunkRows) * ldc));
       tiles(u0 / groups, u0 / groups + 1, u0 % groups * kGroup,
-            std::min(M, ((u1 - 1) % groups + 1) * kGroup), buffer.data(),
+            std::min(M, ((u1 - 1) % groups + 1) * kGroup), thread_buffer(),
             next < 0 ? -1 : next / groups);
     });
     return;
@@ -154,21 +158,21 @@ void for_each_tile(int64_t M, int64_t K, int64_t x_row_bytes, const W* packed, i
   // stay in L2 from one panel to the next.
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), units);
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    buffer.resize(std::max<int64_t>(buffer.size(), std::min(M, kChunkRows) * ldc));
+    Acc* c = thread_buffer();
     const int64_t u0 = units * part_begin / parts, u1 = units * part_end / parts;
     const int64_t first = u0 / groups, last = (u1 - 1) / groups;  // panels touched
     // rows [m_first, M) of the first panel, [0, m_last) of the last
     const int64_t m_first = u0 % groups * kGroup;
     const int64_t m_last = std::min(M, ((u1 - 1) % groups + 1) * kGroup);
     if (first == last) {
-      tiles(first, first + 1, m_first, m_last, buffer.data(), -1);
+      tiles(first, first + 1, m_first, m_last, c, -1);
       return;
     }
     int64_t full_begin = first;
-    if (m_first > 0) tiles(first, first + 1, m_first, M, buffer.data(), -1), ++full_begin;
+    if (m_first > 0) tiles(first, first + 1, m_first, M, c, -1), ++full_begin;
     const int64_t full_end = m_last < M ? last : last + 1;
-    tiles(full_begin, full_end, 0, M, buffer.data(), -1);
-    if (m_last < M) tiles(last, last + 1, 0, m_last, buffer.data(), -1);
+    tiles(full_begin, full_end, 0, M, c, -1);
+    if (m_last < M) tiles(last, last + 1, 0, m_last, c, -1);
   });
 }
 
