@@ -86,6 +86,35 @@ def test_kernel_all_rows_match_reference(case):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lens", [[1] * 40 + [9, 30], [1]])
+def test_kernel_bits_do_not_depend_on_the_threads(dtype, q_lens):
+    """Threads start with runs of rows of equal cost and then take each other's last rows
+    (csrc/work_sharing.h), a taken row reading its keys from a stream of its own: every
+    row's bits are those of one thread, on six threads too (more than the cores here, so
+    that some threads fall behind and the others take their rows)."""
+    torch.manual_seed(0)
+    contexts = torch.randint(0, 300, (len(q_lens),)).tolist()
+    query, kv_cache, meta = make_batch(q_lens, contexts, 9, 3, 64, 16, dtype)
+
+    def attend(threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = torch.empty_like(query)
+            CpuAttention().ops.paged_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
+                                               meta.query_start_loc, out, 0.125, 0)
+        finally:
+            torch.set_num_threads(before)
+        return out
+
+    one = attend(1)
+    ref = ReferenceAttention().forward(query.float(), kv_cache.float(), meta, 0.125)
+    assert rel_err(one, ref) < (1e-5 if dtype == torch.float32 else 4e-3)
+    for _ in range(5):
+        assert torch.equal(attend(6), one)
+
+
 def test_kernel_bfloat16():
     query, kv_cache, meta = make_batch([1, 1, 4], [30, 70, 10], 9, 3, 64, 16, torch.bfloat16)
     ref = ReferenceAttention().forward(query, kv_cache, meta, 0.125)

@@ -1,7 +1,7 @@
 // Paged attention for CPU (torch.ops.pagedserve.paged_attention): reads K/V straight from
 // the cache blocks through the block tables (no gathered copy of the context), one work
 // item per query row (all heads; per KV head when there are fewer rows than threads),
-// spread over threads in runs of equal key counts.
+// spread over threads in runs of equal key counts, whose last items they then share out.
 //
 // Layouts (see pagedserve/attention/backend.py):
 //   query       [num_tokens, num_heads, head_dim]
@@ -944,21 +944,6 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
     const int64_t hi = lens[s] - (starts[s + 1] - t) + 1;
     return std::pair<int64_t, int64_t>{window > 0 ? std::max<int64_t>(0, hi - window) : 0, hi};
   };
-  // Threads get runs of items of equal cost (keys, plus a fixed cost per item), not equal
-  // counts: a decode batch's contexts differ several-fold, and equal counts left one
-  // thread waiting for the other ~10% of the time.
-  constexpr int64_t kItemCost = 32;
-  const int64_t chunks = std::min<int64_t>(at::get_num_threads(), items);
-  std::vector<int64_t> cost(items + 1, 0);  // cost of items [0, i)
-  for (int64_t i = 0; i < items; ++i) {
-    const auto [lo, hi] = key_range(i / parts);
-    cost[i + 1] = cost[i] + hi - lo + kItemCost;
-  }
-  std::vector<int64_t> first(chunks + 1, items);  // chunk c: items [first[c], first[c + 1])
-  for (int64_t c = 0; c < chunks; ++c)
-    first[c] = std::lower_bound(cost.begin(), cost.end() - 1, cost[items] * c / chunks) -
-               cost.begin();
-
   // One call per (query, cache) dtype pair: the cache holds the query's dtype, or bfloat16.
   auto run = [&](auto* q, auto* k_base, auto* o) {
     using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(q)>>;
@@ -990,36 +975,85 @@ void paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor 
                               : attend_rows<scalar_t, cache_t, 128, false, true>;
       }
 #endif
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-#if defined(PAGEDSERVE_AMX)
-      if (amx) configure_score_tiles(group);
-#endif
-      std::vector<Keys<cache_t>> keys(first[end] - first[begin]);  // of the thread's items
-      for (int64_t item = first[begin]; item < first[end]; ++item) {
+    // Calls of attend: up to max_rows consecutive rows of a sequence, else one item each;
+    // call c takes items [call_first[c], call_first[c + 1]).
+    std::vector<int64_t> call_first{0};
+    for (int64_t item = 0; item < items;) {
+      int64_t rows = 1;
+      while (rows < max_rows && item + rows < items &&
+             token_seq[item + rows] == token_seq[item])
+        ++rows;
+      call_first.push_back(item += rows);
+    }
+    const int64_t calls = static_cast<int64_t>(call_first.size()) - 1;
+    // Threads start with runs of calls of equal cost (keys, plus a fixed cost per item),
+    // not equal counts: a decode batch's contexts differ several-fold, and equal counts left
+    // one thread waiting for the other ~10% of the time. Then they share out the last calls
+    // (work_sharing.h): one core often runs slower than the other for a while on a shared
+    // host.
+    constexpr int64_t kItemCost = 32;
+    std::vector<int64_t> cost(calls + 1, 0);  // cost of calls [0, c)
+    for (int64_t c = 0; c < calls; ++c) {
+      cost[c + 1] = cost[c];
+      for (int64_t item = call_first[c]; item < call_first[c + 1]; ++item) {
+        const auto [lo, hi] = key_range(item / parts);
+        cost[c + 1] += hi - lo + kItemCost;
+      }
+    }
+    const int64_t threads = pagedserve_sharing::sharing_threads(calls);
+    std::vector<int64_t> first(threads + 1, calls);  // thread t's calls: [first[t], first[t + 1])
+    for (int64_t t = 0; t < threads; ++t)
+      first[t] = std::lower_bound(cost.begin(), cost.end() - 1, cost[calls] * t / threads) -
+                 cost.begin();
+    const pagedserve_sharing::Shares shares(first);
+
+    // The keys of calls [c0, c1)'s items, the first one's cold.
+    auto keys_of = [&](int64_t c0, int64_t c1) {
+      std::vector<Keys<cache_t>> keys;
+      for (int64_t item = call_first[c0]; item < call_first[c1]; ++item) {
         const int64_t t = item / parts, g = item % parts * part_heads;
         const auto [lo, hi] = key_range(t);
-        const bool cold = t == starts[token_seq[t]] || item == first[begin];
-        keys[item - first[begin]] = {k_base + g * D, v_base + g * D,
-                                     tables + token_seq[t] * max_blocks, lo, hi, cold};
+        const bool cold = t == starts[token_seq[t]] || item == call_first[c0];
+        keys.push_back({k_base + g * D, v_base + g * D, tables + token_seq[t] * max_blocks, lo,
+                        hi, cold});
       }
-      const int64_t lines = (part_heads * D * int64_t{sizeof(cache_t)} + 63) / 64;
-      KeyStream<cache_t> prefetch(keys.data(), keys.size(), block_size, kv_heads * D, lines,
-                                  part_heads * (group + 1),
-                                  tile_keys(D * int64_t{sizeof(cache_t)}));
-      for (int64_t item = first[begin], rows; item < first[end]; item += rows) {
-        const int64_t t = item / parts, g = item % parts * part_heads;
-        const int64_t head = t * num_heads + g * group;
-        for (rows = 1; rows < max_rows && item + rows < first[end] &&
-                       token_seq[t + rows] == token_seq[t];)
-          ++rows;
-        (rows > 1 ? attend_many : attend)(q + head * D, rows, num_heads * D,
-                                          keys[item - first[begin]], prefetch, block_size,
-                                          kv_heads * D, part_heads, group, D,
-                                          static_cast<float>(scale), o + head * D);
-      }
+      return keys;
+    };
+    const int64_t lines = (part_heads * D * int64_t{sizeof(cache_t)} + 63) / 64;
+    auto stream_of = [&](const std::vector<Keys<cache_t>>& keys) {
+      return KeyStream<cache_t>(keys.data(), static_cast<int64_t>(keys.size()), block_size,
+                                kv_heads * D, lines, part_heads * (group + 1),
+                                tile_keys(D * int64_t{sizeof(cache_t)}));
+    };
+    auto attend_call = [&](int64_t c, const Keys<cache_t>& keys, KeyStream<cache_t>& prefetch) {
+      const int64_t item = call_first[c], rows = call_first[c + 1] - item;
+      const int64_t head = item / parts * num_heads + item % parts * part_heads * group;
+      (rows > 1 ? attend_many : attend)(q + head * D, rows, num_heads * D, keys, prefetch,
+                                        block_size, kv_heads * D, part_heads, group, D,
+                                        static_cast<float>(scale), o + head * D);
+    };
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
 #if defined(PAGEDSERVE_AMX)
-      if (amx) _tile_release();
+        if (amx) configure_score_tiles(group);
 #endif
+        // The thread's own calls read their keys from one stream, in order; a call taken
+        // from another thread's share from a stream of its own.
+        const auto own = keys_of(first[t], first[t + 1]);
+        auto prefetch = stream_of(own);
+        shares.take(t, 1, [&](int64_t c, int64_t, int64_t) {
+          if (c >= first[t] && c < first[t + 1]) {
+            attend_call(c, own[call_first[c] - call_first[first[t]]], prefetch);
+            return;
+          }
+          const auto taken = keys_of(c, c + 1);
+          auto stream = stream_of(taken);
+          attend_call(c, taken[0], stream);
+        });
+#if defined(PAGEDSERVE_AMX)
+        if (amx) _tile_release();
+#endif
+      }
     });
   };
   const bool same = kv_cache.scalar_type() == query.scalar_type();
