@@ -100,7 +100,9 @@ torch::Tensor project_lora(const torch::Tensor& a, const torch::Tensor& b, int64
 
 }  // namespace
 
-// hidden [T, hidden_size] (the model's dtype), updated in place. weights: per layer, in
+// hidden [T, hidden_size] (the model's dtype), updated in place (the residual stream);
+// returns the final norm's output (final_norm: its weight) [T, hidden_size], as the model's
+// forward makes it. weights: per layer, in
 // order, the input norm's weight, qkv_proj's two tensors (see project), o_proj's, the
 // post-attention norm's weight, gate_up_proj's, down_proj's; kinds: per layer the four
 // projections' kinds. kv_caches, windows (0: none): per layer. The index tensors are
@@ -108,8 +110,9 @@ torch::Tensor project_lora(const torch::Tensor& a, const torch::Tensor& b, int64
 // layer per projection its LoRA stack's kLoRATensors tensors; lora_slots: each row's
 // adapter slot (-1: none), empty when no row of the step has one. Raises (RuntimeError)
 // on inconsistent lengths.
-void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
-                         std::vector<torch::Tensor> weights, std::vector<int64_t> kinds,
+torch::Tensor llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
+                         std::vector<torch::Tensor> weights, torch::Tensor final_norm,
+                         std::vector<int64_t> kinds,
                          std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,
                          torch::Tensor slot_mapping, torch::Tensor block_tables,
                          torch::Tensor seq_lens, torch::Tensor query_start_loc,
@@ -155,7 +158,12 @@ void llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
     const auto act = silu_and_mul_of(gate_up);
     down = project_lora(w[8], w[9], kind[3], act, lora_of(3), lora_slots);
   }
-  if (down.defined()) hidden.add_(down);
+  // the last residual add with the final norm, as between layers
+  if (down.defined())
+    fused_add_rms_norm(x, hidden, down, final_norm, eps);
+  else
+    rms_norm(x, hidden, final_norm, eps);
+  return x;
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {

@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:  # the same parameter; a quantization method may give
             self.tie_lm_head()        # the head its own copy (int8 rows, GGUF blocks)
         # the fused decode step (worker/cpu_decode.py), set by the worker where it applies:
-        # a callable (positions, hidden, kv_caches, meta) -> hidden with .applies(meta)
+        # a callable (positions, hidden, kv_caches, meta) -> normed hidden, .applies(meta)
         self.cpu_decode = None
 
     # -- what families override ---------------------------------------------------------
@@ -264,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
             scale = torch.tensor(self.embed_scale, dtype=hidden.dtype)
             hidden = hidden * scale
         if self.cpu_decode is not None and self.cpu_decode.applies(meta):
-            return self.norm(self.cpu_decode(positions, hidden, kv_caches, meta))
+            return self.cpu_decode(positions, hidden, kv_caches, meta)  # final norm included
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(positions, hidden, kv_cache, meta)
         return self.norm(hidden)
