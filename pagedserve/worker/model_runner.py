@@ -224,10 +224,10 @@ class ModelRunner:
                                         request.sampling_params.seed, request.num_output_tokens)
             chosen[start : start + len(tokens)] = tokens
             out.sampled[request.request_id] = tokens
+        if batch.max_num_logprobs is None:
+            return
         result = self.sampler.logprobs(raw, torch.tensor(chosen, device=raw.device),
                                        batch.max_num_logprobs)
-        if result.topk_token_ids is None:
-            return
         lps, ranks = result.sampled_logprobs.tolist(), result.sampled_ranks.tolist()
         top_ids, top_lps = result.topk_token_ids.tolist(), result.topk_logprobs.tolist()
         for request, start, _ in spans:
