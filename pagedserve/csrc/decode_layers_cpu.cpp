@@ -101,24 +101,21 @@ torch::Tensor project_lora(const torch::Tensor& a, const torch::Tensor& b, int64
 }  // namespace
 
 // hidden [T, hidden_size] (the model's dtype), updated in place (the residual stream);
-// returns the final norm's output (final_norm: its weight) [T, hidden_size], as the model's
-// forward makes it. weights: per layer, in
-// order, the input norm's weight, qkv_proj's two tensors (see project), o_proj's, the
-// post-attention norm's weight, gate_up_proj's, down_proj's; kinds: per layer the four
-// projections' kinds. kv_caches, windows (0: none): per layer. The index tensors are
-// AttentionMetadata's for a step whose sequences are all decodes. lora: empty, or per
-// layer per projection its LoRA stack's kLoRATensors tensors; lora_slots: each row's
-// adapter slot (-1: none), empty when no row of the step has one. Raises (RuntimeError)
-// on inconsistent lengths.
-torch::Tensor llama_decode_layers(torch::Tensor hidden, torch::Tensor positions,
-                         std::vector<torch::Tensor> weights, torch::Tensor final_norm,
-                         std::vector<int64_t> kinds,
-                         std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,
-                         torch::Tensor slot_mapping, torch::Tensor block_tables,
-                         torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                         torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         std::vector<torch::Tensor> lora, torch::Tensor lora_slots) {
+// returns the final norm's output [T, hidden_size] (final_norm: its weight), as the model's
+// forward makes it. weights: per layer, in order, the input norm's weight, qkv_proj's two
+// tensors (see project), o_proj's, the post-attention norm's weight, gate_up_proj's,
+// down_proj's; kinds: per layer the four projections' kinds. kv_caches, windows (0: none):
+// per layer. The index tensors are AttentionMetadata's for a step whose sequences are all
+// decodes. lora: empty, or per layer per projection its LoRA stack's kLoRATensors tensors;
+// lora_slots: each row's adapter slot (-1: none), empty when no row of the step has one.
+// Raises (RuntimeError) on inconsistent lengths.
+torch::Tensor llama_decode_layers(
+    torch::Tensor hidden, torch::Tensor positions, std::vector<torch::Tensor> weights,
+    torch::Tensor final_norm, std::vector<int64_t> kinds, std::vector<torch::Tensor> kv_caches,
+    std::vector<int64_t> windows, torch::Tensor slot_mapping, torch::Tensor block_tables,
+    torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor cos, torch::Tensor sin,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+    std::vector<torch::Tensor> lora, torch::Tensor lora_slots) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kTensorsPerLayer * layers &&
                   static_cast<int64_t>(kinds.size()) == 4 * layers &&

@@ -1,15 +1,16 @@
 // A parallel loop over independent items whose threads share out the last items at run
 // time: each thread takes its share in order (equal shares, or given ones: Shares), then,
-// once it has none left, items from the back of another thread's share ("work stealing", as in Blumofe & Leiserson,
-// "Scheduling Multithreaded Computations by Work Stealing", 1999, with ranges of items in
-// place of deques). On shared hosts one core often runs slower than the other for a while;
-// with fixed shares the faster thread then waits at the end of every loop: on a 2-core Zen 5
-// VM, in default-path runs, each thread waited for the other inside the GGUF products 3.8%
-// and 5.0% of its time (perf, both threads sampled). With the items shared out, the Q4_1
-// products of a decode step's 30 layers ran 1.04-1.14x faster at 8-64 rows (level at 1-2)
-// and decode steps 1.02-1.04x; decode attention, whose threads start with runs of equal key
-// counts, then gave decode steps another 0.3-1.7% (benchmarks/README.md). An item's result
-// does not depend on which thread computes it, so the bits are those of fixed shares.
+// once it has none left, items from the back of another thread's share ("work stealing", as
+// in Blumofe & Leiserson, "Scheduling Multithreaded Computations by Work Stealing", 1999,
+// with ranges of items in place of deques). On shared hosts one core often runs slower than
+// the other for a while; with fixed shares the faster thread then waits at the end of every
+// loop: on a 2-core Zen 5 VM, in default-path runs, each thread waited for the other inside
+// the GGUF products 3.8% and 5.0% of its time (perf, both threads sampled). With the items
+// shared out, the Q4_1 products of a decode step's 30 layers ran 1.04-1.14x faster at 8-64
+// rows (level at 1-2) and decode steps 1.02-1.04x; decode attention, whose threads start
+// with runs of equal key counts, then gave decode steps another 0.3-1.7%
+// (benchmarks/README.md). An item's result does not depend on which thread computes it, so
+// the bits are those of fixed shares.
 // (cpu_ops.py keys the build on this header too.)
 
 #pragma once

@@ -10,16 +10,15 @@ The final norm runs in the same call (fused with the last residual add, as betwe
 layers): after the forward's streams of weights and K/V the caches are cold, and that norm,
 called from Python, took ~0.11 ms of each step where the op alone takes 0.01.
 
-It applies to models whose every layer is a plain ``LlamaDecoderLayer`` (RMSNorm, no
-biases, no q/k norm, full-width neox rotary, SiLU) and whose final norm is an RMSNorm of
-the same eps, with the C++ attention backend, in any
-dtype, whatever holds each projection's weight, as long as its quantization method hands
-the step a kernel entry (``LinearWeight.fused_kernel``: GGUF blocks, int8 rows or the
-float weight, each multiplied as the method's ``apply`` does), LoRA adapters included
-(``lora/layers.py``: the same grouped kernel adds their terms); and to steps whose
-sequences are all decodes. Other models and steps run the Python layers. Measured on the
-shared workload (35 rows a step on average): the step's Python took 14 of 101 ms with GGUF
-weights (benchmarks/README.md).
+It applies to models whose every layer is a plain ``LlamaDecoderLayer`` (RMSNorm, no biases,
+no q/k norm, full-width neox rotary, SiLU) and whose final norm is an RMSNorm of the same
+eps, with the C++ attention backend, in any dtype, whatever holds each projection's weight,
+as long as its quantization method hands the step a kernel entry
+(``LinearWeight.fused_kernel``: GGUF blocks, int8 rows or the float weight, each multiplied
+as the method's ``apply`` does), LoRA adapters included (``lora/layers.py``: the same
+grouped kernel adds their terms); and to steps whose sequences are all decodes. Other models
+and steps run the Python layers. Measured on the shared workload (35 rows a step on
+average): the step's Python took 14 of 101 ms with GGUF weights (benchmarks/README.md).
 """
 
 from __future__ import annotations
