@@ -8,8 +8,8 @@
 // the GGUF products 3.8% and 5.0% of its time (perf, both threads sampled). With the items
 // shared out, the Q4_1 products of a decode step's 30 layers ran 1.04-1.14x faster at 8-64
 // rows (level at 1-2) and decode steps 1.02-1.04x; decode attention, whose threads start
-// with runs of equal key counts, then gave decode steps another 0.3-1.7%
-// (benchmarks/README.md). An item's result does not depend on which thread computes it, so
+// with runs of equal key counts, then gave decode steps another 0-1.7% (median 0.65%,
+// benchmarks/README.md). An item's result does not depend on which thread computes it, so
 // the bits are those of fixed shares.
 // (cpu_ops.py keys the build on this header too.)
 
